@@ -1,0 +1,188 @@
+"""Parallel styles for MoE layers: ``TensorParallel`` for GroupedExperts, ``NoParallel`` for routers.
+
+Both are ``torch.distributed.tensor.parallel.ParallelStyle``s, so ``parallelize_module`` applies them:
+
+    parallelize_module(moe_block, tp_mesh, {"experts": TensorParallel(), "gate": NoParallel()})
+
+Communication, all of it explicit here:
+- forward: one all-reduce (or reduce-scatter, for a sharded ``output_layout``) of the experts' partial output;
+- backward: the experts' input gradients are partial sums, reduced once per input.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+# GroupedExperts: w1/w3 split by columns (hidden), w2 by rows (hidden); b2 stays whole and is added once.
+EXPERT_PLACEMENTS: dict[str, Placement] = {
+    "w1": Shard(2),
+    "w3": Shard(2),
+    "b1": Shard(1),
+    "b3": Shard(1),
+    "w2": Shard(1),
+    "b2": Replicate(),
+}
+
+
+class TensorParallel(ParallelStyle):
+    """Split every expert along its hidden size: ``w1``/``w3`` column-wise, ``w2`` row-wise.
+
+    Each rank runs all tokens through its slice of every expert and produces a partial sum of the output,
+    which is reduced to ``output_layout`` with one collective. Hidden sizes that do not divide by the mesh
+    size give uneven shards. Parameters not in :data:`EXPERT_PLACEMENTS` become replicated DTensors.
+
+    Args:
+        input_layouts: layouts of the positional inputs ``(hidden_states, top_k_index, top_k_weights)``
+            as they arrive (default: all replicated). They are made replicated before the experts run.
+        output_layout: layout of the output (default replicated: an all-reduce; ``Shard(0)``: a reduce-scatter).
+        use_local_output: return a plain local tensor (default) rather than a DTensor.
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Sequence[Placement] | None = None,
+        output_layout: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        super().__init__()
+        self.input_layouts = tuple(input_layouts or (Replicate(), Replicate(), Replicate()))
+        self.output_layout = output_layout or Replicate()
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_mesh(device_mesh, self)
+        distribute_params(module, device_mesh, EXPERT_PLACEMENTS, self.src_data_rank)
+        _hook_inputs(module, lambda args: self._prepare_inputs(args, device_mesh))
+        module.register_forward_hook(lambda mod, args, out: self._prepare_output(out, device_mesh))
+        return module
+
+    def _prepare_inputs(self, args: tuple, mesh: DeviceMesh) -> tuple:
+        layouts = self.input_layouts + (Replicate(),) * (len(args) - len(self.input_layouts))
+        return tuple(_replicated_local(a, layout, mesh) for a, layout in zip(args, layouts, strict=False))
+
+    def _prepare_output(self, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        out = DTensor.from_local(output, mesh, (Partial(),), run_check=False)
+        out = out.redistribute(mesh, (self.output_layout,))
+        return out.to_local() if self.use_local_output else out
+
+
+class NoParallel(ParallelStyle):
+    """Keep a module whole on every rank, its parameters and buffers as replicated DTensors.
+
+    This puts routers (and any other unsplit module) on the same mesh as the sharded ones, which gradient
+    clipping and fused optimizers need. Tensor inputs arriving in ``input_layout`` are made replicated;
+    tensor outputs (also inside tuples) are returned in ``output_layout``, as local tensors by default.
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layout: Placement | None = None,
+        output_layout: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        super().__init__()
+        self.input_layout = input_layout or Replicate()
+        self.output_layout = output_layout or Replicate()
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_mesh(device_mesh, self)
+        distribute_params(module, device_mesh, {}, self.src_data_rank, buffers=True)
+        _hook_inputs(module, lambda args: tuple(self._prepare_input(a, device_mesh) for a in args))
+        module.register_forward_hook(lambda mod, args, out: _map_tensors(out, _output_converter(self, device_mesh)))
+        return module
+
+    def _prepare_input(self, arg: Any, mesh: DeviceMesh) -> Any:
+        if not isinstance(arg, torch.Tensor):
+            return arg
+        if not isinstance(arg, DTensor):
+            arg = DTensor.from_local(arg, mesh, (self.input_layout,), run_check=False)
+        return arg.redistribute(mesh, (Replicate(),))
+
+
+def _output_converter(style: NoParallel, mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, DTensor):
+            return t
+        t = t.redistribute(mesh, (style.output_layout,))
+        return t.to_local() if style.use_local_output else t
+
+    return convert
+
+
+def distribute_params(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    placements: dict[str, Placement],
+    src_data_rank: int | None = 0,
+    buffers: bool = False,
+) -> None:
+    """Turn ``module``'s parameters into DTensors: those named in ``placements`` (direct parameters of
+    ``module``) as given, all others (and, with ``buffers``, all buffers) replicated. Idempotent."""
+    for owner in module.modules():
+        direct = owner is module
+        for name, p in list(owner.named_parameters(recurse=False)):
+            if p is None or isinstance(p, DTensor):
+                continue
+            placement = placements.get(name, Replicate()) if direct else Replicate()
+            dt = distribute_tensor(p.data, mesh, [placement], src_data_rank=src_data_rank)
+            owner.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+        if buffers:
+            for name, b in list(owner.named_buffers(recurse=False)):
+                if b is not None and not isinstance(b, DTensor):
+                    owner._buffers[name] = distribute_tensor(b, mesh, [Replicate()], src_data_rank=src_data_rank)
+
+
+def _replicated_local(arg: Any, layout: Placement, mesh: DeviceMesh) -> Any:
+    """A replicated local copy of ``arg`` whose gradient is declared partial.
+
+    The experts use their input on every rank to compute a partial output, so each rank's input gradient is a
+    partial sum; the backward of ``from_local`` reduces it (Partial -> ``layout``).
+    """
+    if not isinstance(arg, torch.Tensor):
+        return arg
+    if not isinstance(arg, DTensor):
+        arg = DTensor.from_local(arg, mesh, (layout,), run_check=False)
+    if arg.placements != (Replicate(),):
+        arg = arg.redistribute(mesh, (Replicate(),))
+    grad_placements = (Partial(),) if arg.is_floating_point() else None
+    return arg.to_local(grad_placements=grad_placements)
+
+
+def _hook_inputs(module: nn.Module, prepare: Callable[[tuple], tuple]) -> None:
+    """Run ``prepare`` on the forward's arguments, keyword ones included (bound to their positions)."""
+    signature = inspect.signature(module.forward)
+
+    def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs:
+            bound = signature.bind(*args, **kwargs)
+            args, kwargs = bound.args, bound.kwargs
+        return prepare(tuple(args)), kwargs
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_tensors(o, fn) for o in obj)
+    return obj
+
+
+def _check_mesh(mesh: DeviceMesh, style: ParallelStyle) -> None:
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"{type(style).__name__} needs a 1-D mesh, got a {mesh.ndim}-D mesh {mesh.mesh_dim_names or ''} of shape "
+            f"{tuple(mesh.shape)}; pass its tensor-parallel dimension, e.g. mesh['tp']"
+        )

@@ -1,0 +1,1 @@
+"""Adapters that map each Hugging Face MoE family's expert module and checkpoint keys onto GroupedExperts."""

@@ -1,0 +1,60 @@
+"""Inputs and weight mappings shared by the experts and styles tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import MixtralConfig
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+from hf_moe_tp import ExpertActivation, GroupedExperts
+
+
+def routing(tokens: int, experts: int, top_k: int, *, seed: int = 0, unused: tuple[int, ...] = ()):
+    """Distinct experts per token (never one of ``unused``) and softmax routing weights, fp32 like HF routers."""
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([e for e in range(experts) if e not in unused])
+    scores = torch.rand(tokens, len(allowed), generator=g)
+    index = allowed[scores.topk(top_k, dim=-1).indices]
+    weights = torch.randn(tokens, top_k, generator=g).softmax(-1)
+    return index, weights
+
+
+def grouped_experts(
+    experts: int, dim: int, hidden: int, *, seed: int = 0, bias: bool = False,
+    activation: ExpertActivation | None = None, dtype: torch.dtype = torch.float32,
+) -> GroupedExperts:
+    """A GroupedExperts with O(1) outputs: weights ~ N(0, 1/fan_in), biases ~ N(0, 0.1)."""
+    torch.manual_seed(seed)
+    m = GroupedExperts(experts, dim, hidden, bias=bias, activation=activation)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            fan_in = p.shape[1] if name.startswith("w") else 100
+            p.copy_(torch.randn(p.shape) / fan_in**0.5)
+    return m.to(dtype)
+
+
+def mixtral_experts(ours: GroupedExperts, implementation: str) -> MixtralExperts:
+    """transformers' MixtralExperts holding the same weights as ``ours``."""
+    config = MixtralConfig(
+        hidden_size=ours.dim, intermediate_size=ours.hidden, num_local_experts=ours.num_experts, hidden_act="silu"
+    )
+    config._experts_implementation = implementation
+    hf = MixtralExperts(config).to(ours.w1.dtype)
+    with torch.no_grad():
+        hf.gate_up_proj.copy_(torch.cat([ours.w1, ours.w3], dim=2).transpose(1, 2))
+        hf.down_proj.copy_(ours.w2.transpose(1, 2))
+    return hf
+
+
+def reference(m: GroupedExperts, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The plain definition, one (token, slot) at a time per expert, no sorting."""
+    out = torch.zeros(x.shape[0], m.dim, dtype=torch.float32)
+    for e in range(m.num_experts):
+        tok, slot = torch.where(index == e)
+        if tok.numel() == 0:
+            continue
+        h1 = x[tok] @ m.w1[e] + (m.b1[e] if m.b1 is not None else 0)
+        h3 = x[tok] @ m.w3[e] + (m.b3[e] if m.b3 is not None else 0) if m.w3 is not None else None
+        y = m.activation(h1, h3) @ m.w2[e] + (m.b2[e] if m.b2 is not None else 0)
+        out.index_add_(0, tok, (y * weights[tok, slot, None]).float())
+    return out.to(x.dtype)

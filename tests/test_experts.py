@@ -1,0 +1,157 @@
+"""GroupedExperts on one process: against the plain definition and against transformers' own expert modules."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from moe_cases import grouped_experts, mixtral_experts, reference, routing
+from transformers import GptOssConfig
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+from hf_moe_tp import ExpertActivation
+
+TOKENS, EXPERTS, DIM, TOP_K = 64, 8, 32, 2
+gmm = importlib.import_module("hf_moe_tp.grouped_mm")  # the package exports the function under this name
+
+
+def tolerance(dtype: torch.dtype, ref: torch.Tensor) -> float:
+    """fp32: 1e-5 absolute. bf16: 2 ulps of the largest reference value (2**-6 relative to max |ref|)."""
+    return 1e-5 if dtype == torch.float32 else 2**-6 * ref.abs().max().item()
+
+
+def run_with_grads(fn, module, x, weights, upstream):
+    """Forward ``fn(x, weights)`` and backward ``(y * upstream).sum()``; return y and every gradient."""
+    x = x.detach().clone().requires_grad_()
+    weights = weights.detach().clone().requires_grad_()
+    module.zero_grad()
+    y = fn(x, weights)
+    (y.float() * upstream).sum().backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+    return y, {**grads, "hidden_states": x.grad, "top_k_weights": weights.grad}
+
+
+ACTIVATIONS = {
+    "silu": ExpertActivation(),
+    "gelu": ExpertActivation("gelu"),
+    "relu2-ungated": ExpertActivation("relu2", gated=False),
+    "clamped-swiglu": ExpertActivation.clamped_swiglu(alpha=1.702, limit=0.5),
+}
+
+
+@pytest.mark.parametrize("dtype,hidden", [(torch.float32, 32), (torch.float32, 18), (torch.bfloat16, 32),
+                                          (torch.bfloat16, 20)])
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_definition(dtype, hidden, act, bias):
+    m = grouped_experts(EXPERTS, DIM, hidden, bias=bias, activation=ACTIVATIONS[act], dtype=dtype)
+    index, weights = routing(TOKENS, EXPERTS, TOP_K, unused=(3,))
+    x = torch.randn(TOKENS, DIM).to(dtype)
+    upstream = torch.randn(TOKENS, DIM)
+    y, grads = run_with_grads(lambda x, w: m(x, index, w), m, x, weights, upstream)
+    y_ref, grads_ref = run_with_grads(lambda x, w: reference(m, x, index, w), m, x, weights, upstream)
+    assert y.dtype == dtype and y.shape == (TOKENS, DIM)
+    assert (y.float() - y_ref.float()).abs().max() <= tolerance(dtype, y_ref)
+    for name, g_ref in grads_ref.items():
+        assert (grads[name].float() - g_ref.float()).abs().max() <= 4 * tolerance(dtype, g_ref), name
+    # expert 3 received no tokens: its gradients exist and are zero
+    assert grads["w1"][3].abs().max() == 0 and grads["w2"][3].abs().max() == 0
+
+
+# transformers' grouped_mm raises on the odd sizes (no fallback), so those run against its eager loop only.
+@pytest.mark.parametrize("implementation,dtype,hidden", [
+    ("eager", torch.float32, 32), ("grouped_mm", torch.float32, 32), ("eager", torch.float32, 18),
+    ("eager", torch.bfloat16, 32), ("grouped_mm", torch.bfloat16, 32), ("eager", torch.bfloat16, 20),
+])
+def test_matches_transformers_mixtral_experts(implementation, dtype, hidden):
+    m = grouped_experts(EXPERTS, DIM, hidden, dtype=dtype)
+    hf = mixtral_experts(m, implementation)
+    index, weights = routing(TOKENS, EXPERTS, TOP_K, unused=(0, 5))
+    x = torch.randn(TOKENS, DIM).to(dtype)
+    upstream = torch.randn(TOKENS, DIM)
+    y, grads = run_with_grads(lambda x, w: m(x, index, w), m, x, weights, upstream)
+    y_hf, grads_hf = run_with_grads(lambda x, w: hf(x, index, w), hf, x, weights, upstream)
+    tol = tolerance(dtype, y_hf)
+    assert (y.float() - y_hf.float()).abs().max() <= tol
+    gate_up = grads_hf["gate_up_proj"].transpose(1, 2)
+    mapped = {"w1": gate_up[..., :hidden], "w3": gate_up[..., hidden:], "w2": grads_hf["down_proj"].transpose(1, 2)}
+    for name in ("hidden_states", "top_k_weights"):
+        mapped[name] = grads_hf[name]
+    for name, g_hf in mapped.items():
+        assert (grads[name].float() - g_hf.float()).abs().max() <= 4 * tolerance(dtype, g_hf), name
+
+
+def test_matches_transformers_gpt_oss_experts():
+    """Interleaved gate/up, biases and the clamped SwiGLU, against GptOssExperts (eager)."""
+    hidden = 16
+    config = GptOssConfig(hidden_size=DIM, intermediate_size=hidden, num_local_experts=EXPERTS)
+    config._experts_implementation = "eager"
+    hf = GptOssExperts(config)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape) / 4)
+    act = ExpertActivation.clamped_swiglu(alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+    m = grouped_experts(EXPERTS, DIM, hidden, bias=True, activation=act)
+    with torch.no_grad():
+        m.w1.copy_(hf.gate_up_proj[..., ::2])
+        m.w3.copy_(hf.gate_up_proj[..., 1::2])
+        m.b1.copy_(hf.gate_up_proj_bias[..., ::2])
+        m.b3.copy_(hf.gate_up_proj_bias[..., 1::2])
+        m.w2.copy_(hf.down_proj)
+        m.b2.copy_(hf.down_proj_bias)
+    index, weights = routing(TOKENS, EXPERTS, 4)
+    x = torch.randn(TOKENS, DIM) * 3  # large enough that the clamps engage
+    y, y_hf = m(x, index, weights), hf(x, index, weights)
+    assert (y - y_hf).abs().max() <= 1e-5
+    assert (x @ hf.gate_up_proj[0]).abs().max() > config.swiglu_limit
+
+
+@pytest.mark.parametrize("dtype,hidden,kernel", [(torch.float32, 32, True), (torch.float32, 18, False),
+                                                 (torch.bfloat16, 32, True), (torch.bfloat16, 20, False)])
+def test_kernel_when_aligned_loop_otherwise(monkeypatch, dtype, hidden, kernel):
+    calls = []
+    real = gmm._KERNEL
+    monkeypatch.setattr(gmm, "_KERNEL", lambda *a, **k: calls.append(1) or real(*a, **k))
+    m = grouped_experts(EXPERTS, DIM, hidden, dtype=dtype)
+    index, weights = routing(TOKENS, EXPERTS, TOP_K)
+    m(torch.randn(TOKENS, DIM).to(dtype), index, weights)
+    assert len(calls) == (3 if kernel else 0)
+
+
+@pytest.mark.parametrize("hidden", [32, 18])
+def test_backward_of_plain_sum(hidden):
+    """`y.sum().backward()` hands the kernel an expanded gradient, which it rejects unless made contiguous."""
+    m = grouped_experts(EXPERTS, DIM, hidden)
+    index, weights = routing(TOKENS, EXPERTS, TOP_K)
+    x = torch.randn(TOKENS, DIM, requires_grad=True)
+    m(x, index, weights).sum().backward()
+    assert x.grad is not None and m.w1.grad is not None
+
+
+@pytest.mark.parametrize("tokens,top_k", [(1, 1), (5, 3), (0, 2)])
+def test_small_and_empty_batches(tokens, top_k):
+    m = grouped_experts(EXPERTS, DIM, 32)
+    index, weights = routing(tokens, EXPERTS, top_k)
+    x = torch.randn(tokens, DIM, requires_grad=True)
+    y = m(x, index, weights)
+    assert y.shape == (tokens, DIM)
+    assert torch.allclose(y, reference(m, x, index, weights), rtol=0, atol=1e-5)
+    (y * 1.0).sum().backward()
+    assert m.w1.grad is not None and m.w1.grad.shape == m.w1.shape
+
+
+def test_all_tokens_to_one_expert():
+    m = grouped_experts(EXPERTS, DIM, 32)
+    index = torch.full((TOKENS, 1), 6)
+    weights = torch.ones(TOKENS, 1)
+    x = torch.randn(TOKENS, DIM)
+    assert (m(x, index, weights) - reference(m, x, index, weights)).abs().max() <= 1e-5
+
+
+def test_bad_activation_is_named():
+    with pytest.raises(ValueError, match="unknown activation 'swishy'"):
+        ExpertActivation("swishy")
+    with pytest.raises(ValueError, match="both alpha and limit"):
+        ExpertActivation(alpha=1.0)
