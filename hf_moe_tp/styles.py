@@ -67,7 +67,8 @@ class TensorParallel(ParallelStyle):
 
     def _prepare_inputs(self, args: tuple, mesh: DeviceMesh) -> tuple:
         layouts = self.input_layouts + (Replicate(),) * (len(args) - len(self.input_layouts))
-        return tuple(_replicated_local(a, layout, mesh) for a, layout in zip(args, layouts, strict=False))
+        sizes: dict[tuple[int, int], int] = {}  # the inputs share their token count: gather it once
+        return tuple(_replicated_local(a, layout, mesh, sizes) for a, layout in zip(args, layouts, strict=False))
 
     def _prepare_output(self, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         out = DTensor.from_local(output, mesh, (Partial(),), run_check=False)
@@ -143,7 +144,7 @@ def distribute_params(
                     owner._buffers[name] = distribute_tensor(b, mesh, [Replicate()], src_data_rank=src_data_rank)
 
 
-def _replicated_local(arg: Any, layout: Placement, mesh: DeviceMesh) -> Any:
+def _replicated_local(arg: Any, layout: Placement, mesh: DeviceMesh, sizes: dict[tuple[int, int], int]) -> Any:
     """A replicated local copy of ``arg`` whose gradient is declared partial.
 
     The experts use their input on every rank to compute a partial output, so each rank's input gradient is a
@@ -152,11 +153,27 @@ def _replicated_local(arg: Any, layout: Placement, mesh: DeviceMesh) -> Any:
     if not isinstance(arg, torch.Tensor):
         return arg
     if not isinstance(arg, DTensor):
-        arg = DTensor.from_local(arg, mesh, (layout,), run_check=False)
+        arg = _from_local(arg, layout, mesh, sizes)
     if arg.placements != (Replicate(),):
         arg = arg.redistribute(mesh, (Replicate(),))
     grad_placements = (Partial(),) if arg.is_floating_point() else None
     return arg.to_local(grad_placements=grad_placements)
+
+
+def _from_local(local: torch.Tensor, layout: Placement, mesh: DeviceMesh, sizes: dict[tuple[int, int], int]) -> DTensor:
+    """``DTensor.from_local`` that also takes uneven shards (it assumes even ones unless told the shape)."""
+    if not isinstance(layout, Shard):
+        return DTensor.from_local(local, mesh, (layout,), run_check=False)
+    dim = layout.dim % local.dim()
+    key = (dim, local.size(dim))
+    if key not in sizes:
+        size = torch.tensor([local.size(dim)], dtype=torch.int64)
+        torch.distributed.all_reduce(size, group=mesh.get_group())
+        sizes[key] = int(size)
+    shape = list(local.shape)
+    shape[dim] = sizes[key]
+    return DTensor.from_local(local, mesh, (layout,), run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def _hook_inputs(module: nn.Module, prepare: Callable[[tuple], tuple]) -> None:
