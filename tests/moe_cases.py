@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from transformers import MixtralConfig
-from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralSparseMoeBlock
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
 from hf_moe_tp import ExpertActivation, GroupedExperts
 
@@ -61,29 +59,3 @@ def reference(m: GroupedExperts, x: torch.Tensor, index: torch.Tensor, weights: 
         out.index_add_(0, tok, (y * weights[tok, slot, None]).float())
     return out.to(x.dtype)
 
-
-def tiny_mixtral_block(dim: int = 32, hidden: int = 24, experts: int = 8, top_k: int = 2, seed: int = 0):
-    """transformers' MixtralSparseMoeBlock with O(1) random weights (eager experts)."""
-    config = MixtralConfig(hidden_size=dim, intermediate_size=hidden, num_local_experts=experts,
-                           num_experts_per_tok=top_k)
-    config._experts_implementation = "eager"
-    torch.manual_seed(seed)
-    block = MixtralSparseMoeBlock(config)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
-    return block
-
-
-def with_grouped_experts(block: MixtralSparseMoeBlock) -> MixtralSparseMoeBlock:
-    """A copy of ``block`` whose experts are a GroupedExperts holding the same weights."""
-    block = copy.deepcopy(block)
-    hf = block.experts
-    hidden = hf.intermediate_dim
-    ours = GroupedExperts(hf.num_experts, hf.hidden_dim, hidden, device="meta")
-    gate_up = hf.gate_up_proj.detach().transpose(1, 2)
-    ours.w1 = torch.nn.Parameter(gate_up[..., :hidden].contiguous())
-    ours.w3 = torch.nn.Parameter(gate_up[..., hidden:].contiguous())
-    ours.w2 = torch.nn.Parameter(hf.down_proj.detach().transpose(1, 2).contiguous())
-    block.experts = ours
-    return block

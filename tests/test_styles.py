@@ -7,15 +7,14 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from moe_cases import grouped_experts, routing, tiny_mixtral_block, with_grouped_experts
+from moe_cases import grouped_experts, routing
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
-from transformers import MixtralConfig
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-from hf_moe_tp import ExpertActivation, GroupedExperts, NoParallel, TensorParallel
+from hf_moe_tp import ExpertActivation, NoParallel, TensorParallel
+from hf_moe_tp.demo import mixtral_block, swap_in_grouped_experts
 
 TOKENS, EXPERTS, DIM, TOP_K = 48, 8, 32, 2
 FP32_TOL = 1e-5
@@ -110,8 +109,8 @@ def _block_matches_transformers(mesh_shape: tuple[int, ...]):
     """A Mixtral MoE block with GroupedExperts (TensorParallel) and its router (NoParallel) against the
     unsharded transformers block; on a 2-D (dp, tp) mesh each dp replica takes half the batch and gradients
     are averaged over dp, which must equal one process on the whole batch."""
-    hf = tiny_mixtral_block()
-    block = with_grouped_experts(hf)
+    hf = mixtral_block(dim=32, hidden=24, experts=8, top_k=2, seed=0)
+    block = swap_in_grouped_experts(hf)
     names = ("dp", "tp") if len(mesh_shape) == 2 else ("tp",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     tp = mesh["tp"]
