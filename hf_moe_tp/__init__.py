@@ -2,7 +2,22 @@
 
 from .experts import ExpertActivation, GroupedExperts
 from .grouped_mm import grouped_mm
-from .styles import NoParallel, TensorParallel
+from .loading import LoadReport, load_checkpoint
+from .plans import apply_plan, tp_plan
+from .pretrained import from_pretrained
+from .styles import LocalParams, NoParallel, TensorParallel
 
-__all__ = ["ExpertActivation", "GroupedExperts", "NoParallel", "TensorParallel", "grouped_mm"]
+__all__ = [
+    "ExpertActivation",
+    "GroupedExperts",
+    "LoadReport",
+    "LocalParams",
+    "NoParallel",
+    "TensorParallel",
+    "apply_plan",
+    "from_pretrained",
+    "grouped_mm",
+    "load_checkpoint",
+    "tp_plan",
+]
 __version__ = "0.1.0"

@@ -111,6 +111,60 @@ class NoParallel(ParallelStyle):
         return arg.redistribute(mesh, (Replicate(),))
 
 
+class LocalParams(ParallelStyle):
+    """Keep a module's computation local: its parameters become DTensors (``placements``, default replicated)
+    that the module sees as their local tensors; inputs and outputs pass untouched.
+
+    For modules fed an already split input, such as a per-head norm after a column-wise projection
+    (transformers' ``replicated_with_grad_allreduce``): each rank sees only its heads, so the gradient of a
+    replicated parameter is a partial sum, and it is summed over the mesh in backward (``sum_grads``).
+    Sharded parameters (GPT-OSS's per-head attention sinks, ``Shard(0)``) are used as their local shard.
+    """
+
+    def __init__(self, *, placements: dict[str, Placement] | None = None, sum_grads: bool = True) -> None:
+        super().__init__()
+        self.placements = placements or {}
+        self.sum_grads = sum_grads
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _check_mesh(device_mesh, self)
+        distribute_params(module, device_mesh, self.placements, self.src_data_rank)
+        names = [n for n, p in module.named_parameters(recurse=False) if p is not None]
+        group = device_mesh.get_group()
+        saved: list[dict[str, nn.Parameter]] = []
+
+        def use_local(mod: nn.Module, args: tuple) -> None:
+            saved.append({n: mod._parameters[n] for n in names})
+            for n in names:
+                p = saved[-1][n]
+                local = p.to_local()
+                if self.sum_grads and p.placements == (Replicate(),) and local.requires_grad:
+                    local = _SumGradOverMesh.apply(local, group)
+                mod._parameters[n] = local  # plain tensor for this call only; restored below
+
+        def restore(mod: nn.Module, args: tuple, out: Any) -> None:
+            mod._parameters.update(saved.pop())
+
+        module.register_forward_pre_hook(use_local)
+        module.register_forward_hook(restore)
+        return module
+
+
+class _SumGradOverMesh(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the mesh's ranks."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def _output_converter(style: NoParallel, mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
     def convert(t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, DTensor):

@@ -1,1 +1,24 @@
-"""Adapters that map each Hugging Face MoE family's expert module and checkpoint keys onto GroupedExperts."""
+"""Adapters that map each Hugging Face MoE family's expert module and checkpoint keys onto GroupedExperts.
+
+``adapter_for(model)`` returns the family's adapter (registered by ``model_type`` in ``FAMILIES``) or the
+generic one, which covers every expert module transformers describes with ``@use_experts_implementation``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .base import Adapter
+
+# model_type -> adapter, for families that differ from the generic layout-driven adapter.
+FAMILIES: dict[str, Adapter] = {}
+
+
+def adapter_for(model: nn.Module) -> Adapter:
+    """The adapter for ``model``'s family (by ``config.model_type``)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    return FAMILIES.get(model_type) or Adapter()
+
+
+__all__ = ["FAMILIES", "Adapter", "adapter_for"]

@@ -1,0 +1,218 @@
+"""Load a safetensors checkpoint straight into a (sharded) model: each rank reads only its own boxes.
+
+For every parameter, each rank computes the box it owns (from the DTensor's placements), asks each of the
+parameter's checkpoint sources which part of the checkpoint tensor covers that box, and reads just that
+with ``safe_open(...).get_slice``, casting while it copies into the local shard. Nothing is materialised
+whole. Every check that can fail on the checkpoint's headers runs before any read, identically on every
+rank, so a bad checkpoint raises everywhere instead of leaving ranks waiting.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from tqdm.auto import tqdm
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+from model_patches import adapter_for
+from model_patches.base import per_expert_names_from_conversions
+
+from .checkpoint import Checkpoint, CheckpointError
+from .experts import GroupedExperts
+from .sources import Box, Request, Source, identity
+
+
+@dataclass
+class LoadReport:
+    """What a load did on this rank."""
+
+    loaded: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    reads: list[tuple[str, tuple[slice, ...]]] = field(default_factory=list)
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+
+def load_checkpoint(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    threads: int = 4,
+    record_reads: bool = False,
+    progress: bool | None = None,
+) -> LoadReport:
+    """Fill ``model``'s parameters (plain, meta or DTensor) and persistent buffers from the checkpoint at ``path``.
+
+    Parameters on the meta device are allocated (their local shard only) on ``model``'s buffer device or CPU.
+    Missing parameters and shape mismatches raise :class:`CheckpointError` naming file, key and shapes;
+    checkpoint keys nothing uses are listed in the report. Tied weights are re-tied afterwards.
+    """
+    start = time.perf_counter()
+    ckpt = Checkpoint(Path(path), record=record_reads)
+    try:
+        to_ckpt = _model_keys(model, ckpt.keys())
+        shapes = {name: ckpt.tensors[key].shape for name, key in to_ckpt.items()}
+        targets = _targets(model)
+        sources = _sources(model, targets, shapes)
+        _check(targets, sources, shapes, to_ckpt, ckpt)
+        device = _device(model)
+        owners = _owners(model)
+        jobs: list[tuple[Request, torch.Tensor]] = []
+        for name, tensor in targets.items():
+            local = _materialize(owners, name, tensor, device)
+            box = local_box(local)
+            covered = 0
+            for source in sources[name]:
+                request = source.request(tuple(local.shape), box)
+                if request is not None:
+                    jobs.append((request, _local(local).detach()))
+                    covered += request.numel
+            if covered != _local(local).numel():
+                raise CheckpointError(f"{path}: the sources of {name} cover {covered} of its "
+                                      f"{_local(local).numel()} local elements")
+        show = progress if progress is not None else _rank() == 0
+        with torch.no_grad(), ThreadPoolExecutor(threads) as pool, tqdm(
+            total=len(jobs), desc=f"loading {Path(path).name}", unit="tensor", disable=not show
+        ) as bar:
+
+            def run(job: tuple[Request, torch.Tensor]) -> None:
+                request, local = job
+                with torch.no_grad():  # grad mode is per thread
+                    request.place(ckpt.read(to_ckpt[request.key], request.read), local)
+                bar.update()
+
+            for _ in pool.map(run, jobs):
+                pass
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+        used = {to_ckpt[s.key] for name in targets for s in sources[name]}
+        return LoadReport(
+            loaded=list(targets),
+            unexpected=sorted(set(ckpt.keys()) - used),
+            reads=list(ckpt.reads),
+            bytes_read=ckpt.bytes_read,
+            seconds=time.perf_counter() - start,
+        )
+    finally:
+        ckpt.close()
+
+
+def local_box(t: torch.Tensor) -> Box:
+    """The [start, stop) box of the full tensor that this rank holds."""
+    if not isinstance(t, DTensor):
+        return tuple((0, n) for n in t.shape)
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple((o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def _model_keys(model: nn.Module, keys: list[str]) -> dict[str, str]:
+    """Checkpoint keys renamed to the model's names (transformers' renamings for the family), model -> ckpt."""
+    renamings = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
+    names = dict.fromkeys(k for k, _ in model.state_dict(keep_vars=True).items())
+    prefix = getattr(model, "base_model_prefix", None)
+    out = {}
+    for key in keys:
+        renamed, _ = rename_source_key(key, renamings, [], prefix, names)
+        out[renamed] = key
+    return out
+
+
+def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers to load, one name per tensor (tied copies are re-tied later)."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        out[name] = t
+    return out
+
+
+def _sources(model: nn.Module, targets: dict[str, torch.Tensor], shapes: dict[str, tuple]) -> dict[str, list[Source]]:
+    adapter = adapter_for(model)
+    per_expert = per_expert_names_from_conversions(get_model_conversion_mapping(model))
+    sources: dict[str, list[Source]] = {}
+    for prefix, module in model.named_modules():
+        layout = getattr(module, "checkpoint_layout", None)
+        if isinstance(module, GroupedExperts) and layout is not None:
+            sources.update(adapter.expert_sources(prefix, layout, shapes, per_expert))
+    for name in targets:
+        if name not in sources and name in shapes:
+            sources[name] = [identity(name, shapes[name])]
+    return sources
+
+
+def _check(targets, sources, shapes, to_ckpt, ckpt: Checkpoint) -> None:
+    missing = [n for n in targets if n not in sources]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise CheckpointError(f"{ckpt.path}: {len(missing)} parameters have no tensor in the checkpoint: {shown}")
+    for name, srcs in sources.items():
+        if name not in targets:
+            continue
+        for s in srcs:
+            if s.key not in shapes:
+                raise CheckpointError(f"{ckpt.path}: {name} needs checkpoint tensor {s.key}, which is missing")
+            found = tuple(shapes[s.key])
+            file = ckpt.tensors[to_ckpt[s.key]].file
+            if found != tuple(s.shape):
+                raise CheckpointError(
+                    f"{file}: tensor {to_ckpt[s.key]} has shape {list(found)}, but {name} of shape "
+                    f"{list(targets[name].shape)} needs {list(s.shape)} (does the config match the checkpoint?)"
+                )
+
+
+def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, bool]]]:
+    """Every (module, attribute, is_parameter) holding each tensor, tied copies included."""
+    owners: dict[int, list[tuple[nn.Module, str, bool]]] = {}
+    for module in model.modules():
+        for attr, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((module, attr, True))
+        for attr, b in module._buffers.items():
+            if b is not None:
+                owners.setdefault(id(b), []).append((module, attr, False))
+    return owners
+
+
+def _materialize(owners: dict, name: str, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Allocate a meta tensor's local shard in every module that holds it; return the tensor to fill."""
+    if _local(tensor).device.type != "meta":
+        return tensor
+    if isinstance(tensor, DTensor):
+        local = torch.empty(tensor.to_local().shape, dtype=tensor.dtype, device=device)
+        new = DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
+                                 shape=tensor.shape, stride=tensor.stride())
+    else:
+        new = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+    holders = owners[id(tensor)]
+    if holders[0][2]:
+        new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+    for module, attr, is_param in holders:
+        (module._parameters if is_param else module._buffers)[attr] = new
+    return new
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _device(model: nn.Module) -> torch.device:
+    for t in model.buffers():
+        t = _local(t)
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

@@ -1,0 +1,126 @@
+"""Tensor-parallel plans: which parallel style each module of a model gets.
+
+``tp_plan(model, tp_size)`` follows the model's own transformers plan for attention, dense MLPs, shared
+experts, embeddings and ``lm_head`` where the sizes divide by the TP size, gives every GroupedExperts
+``TensorParallel`` and every router ``NoParallel``. ``apply_plan`` applies a plan with ``parallelize_module``
+and makes every parameter left over a replicated DTensor (through ``NoParallel`` on its module), so the whole
+model lives on one mesh.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from .experts import GroupedExperts
+from .styles import LocalParams, NoParallel, TensorParallel
+
+# transformers' plan names -> torch styles. Expert entries are ours (TensorParallel on GroupedExperts).
+HF_STYLES = {
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "replicated_with_grad_allreduce": lambda: LocalParams(),
+}
+ROUTER_NAMES = ("gate", "router")
+
+
+def tp_plan(model: nn.Module, tp_size: int | None = None) -> dict[str, ParallelStyle]:
+    """The default plan for ``model`` (with GroupedExperts already swapped in): module name -> style.
+
+    ``tp_size`` decides which of transformers' entries can be kept: a linear layer is split only when the
+    split size divides (heads for attention, features for MLPs, the vocabulary for embeddings); otherwise it
+    stays replicated. Tied input/output embeddings stay replicated.
+    """
+    modules = dict(model.named_modules())
+    plan: dict[str, ParallelStyle] = {}
+    config = getattr(model, "config", None)
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    for pattern, style_name in (getattr(model, "_tp_plan", None) or {}).items():
+        if style_name not in HF_STYLES:
+            continue
+        for name in _match(pattern, modules):
+            module = modules[name]
+            if _inside_experts(name, modules) or (tied and isinstance(module, nn.Embedding | nn.Linear)
+                                                  and _is_embedding_or_head(name, model)):
+                continue
+            if tp_size is None or _divides(name, module, style_name, config, tp_size):
+                plan[name] = HF_STYLES[style_name]()
+    for name, module in modules.items():
+        if isinstance(module, GroupedExperts):
+            plan[name] = TensorParallel()
+            parent = name.rpartition(".")[0]
+            for router in ROUTER_NAMES:
+                rname = f"{parent}.{router}" if parent else router
+                if rname in modules and rname not in plan:
+                    plan[rname] = NoParallel()
+    return plan
+
+
+def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> nn.Module:
+    """Apply ``plan`` (names or ``*`` patterns -> styles), then replicate every parameter left as a plain tensor."""
+    parallelize_module(model, mesh, plan)
+    leftovers = {}
+    for name, module in model.named_modules():
+        if any(not _is_dtensor(p) for p in module.parameters(recurse=False)):
+            leftovers[name] = NoParallel()
+    if leftovers:
+        parallelize_module(model, mesh, leftovers)
+    return model
+
+
+def describe(plan: dict[str, ParallelStyle]) -> dict[str, str]:
+    """A readable form of a plan: name -> style class name."""
+    return {name: type(style).__name__ for name, style in plan.items()}
+
+
+def _match(pattern: str, modules: dict[str, nn.Module]) -> list[str]:
+    return [n for n in modules if fnmatch.fnmatchcase(n, pattern) and n.count(".") == pattern.count(".")]
+
+
+def _inside_experts(name: str, modules: dict[str, nn.Module]) -> bool:
+    parts = name.split(".")
+    return any(isinstance(modules.get(".".join(parts[:i])), GroupedExperts) for i in range(1, len(parts) + 1))
+
+
+def _is_embedding_or_head(name: str, model: nn.Module) -> bool:
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    module = model.get_submodule(name)
+    return module is inputs or module is outputs
+
+
+def _divides(name: str, module: nn.Module, style_name: str, config, tp_size: int) -> bool:
+    """Whether ``module`` splits evenly into ``tp_size`` along the dim its style splits. A per-head norm
+    (``replicated_with_grad_allreduce``) goes with its attention: local only when the heads are split."""
+    if "attn" in name or "attention" in name:
+        text = getattr(config, "get_text_config", lambda: config)()
+        heads = getattr(text, "num_attention_heads", None)
+        kv = getattr(text, "num_key_value_heads", None) or heads
+        if heads is None or heads % tp_size or kv % tp_size:
+            return False
+    if style_name == "replicated_with_grad_allreduce":
+        return True
+    if isinstance(module, nn.Embedding):
+        return module.num_embeddings % tp_size == 0
+    if isinstance(module, nn.Linear):
+        rowwise = style_name.startswith("rowwise")
+        return (module.in_features if rowwise else module.out_features) % tp_size == 0
+    return False
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)

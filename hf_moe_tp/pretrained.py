@@ -1,0 +1,105 @@
+"""``from_pretrained``: a Hugging Face MoE checkpoint, loaded tensor-parallel, each rank reading its slices."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from accelerate import init_empty_weights
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import ParallelStyle
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+from model_patches import adapter_for
+
+from . import plans
+from .loading import load_checkpoint
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    tp_plan: str | dict[str, ParallelStyle] | None = "auto",
+    device_mesh: DeviceMesh | None = None,
+    dtype: torch.dtype | None = None,
+    model_class: type | None = None,
+    threads: int = 4,
+    record_reads: bool = False,
+) -> PreTrainedModel:
+    """Load a Hugging Face MoE model tensor-parallel over ``device_mesh`` (or all ranks).
+
+    The model is built on the meta device, its experts swapped for GroupedExperts (``model_patches``), the
+    plan applied (``"auto"``: :func:`hf_moe_tp.tp_plan`; a dict: module names or ``*`` patterns to styles;
+    ``None``: everything replicated), and then each rank reads only its slices of the checkpoint. Returns the
+    usual transformers model (``AutoModelForCausalLM`` unless ``model_class`` says otherwise), in eval mode.
+
+    Without a process group one is started from the torchrun environment, or as a world of one. A given
+    ``device_mesh`` is used as it is (1-D) or through its ``"tp"`` dimension.
+    """
+    path = _local_dir(path)
+    mesh = resolve_mesh(device_mesh)
+    config = AutoConfig.from_pretrained(path)
+    cls = model_class or AutoModelForCausalLM
+    with init_empty_weights(include_buffers=False):
+        model = cls.from_config(config, dtype=dtype) if hasattr(cls, "from_config") else cls._from_config(
+            config, dtype=dtype)
+    model.hf_moe_tp_adapter = adapter_for(model)
+    model.hf_moe_tp_adapter.swap_experts(model)
+    plan = _plan(model, tp_plan, mesh)
+    plans.apply_plan(model, mesh, plan)
+    model.hf_moe_tp_plan = plan
+    model.hf_moe_tp_load = load_checkpoint(model, path, threads=threads, record_reads=record_reads)
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model.eval()
+
+
+def _plan(model: nn.Module, plan, mesh: DeviceMesh) -> dict[str, ParallelStyle]:
+    if plan == "auto":
+        return plans.tp_plan(model, mesh.size())
+    if plan is None:
+        return {}
+    if isinstance(plan, dict):
+        return plan
+    raise ValueError(f"tp_plan must be 'auto', None or a dict of module names to styles, got {plan!r}")
+
+
+def resolve_mesh(device_mesh: DeviceMesh | None = None) -> DeviceMesh:
+    """The 1-D tensor-parallel mesh: ``device_mesh`` itself, its ``"tp"`` dimension, or the whole world."""
+    if device_mesh is not None:
+        if device_mesh.ndim == 1:
+            return device_mesh
+        names = device_mesh.mesh_dim_names or ()
+        if "tp" not in names:
+            raise ValueError(f"a {device_mesh.ndim}-D device_mesh needs a 'tp' dimension, got names {names}")
+        return device_mesh["tp"]
+    init_process_group()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device, (dist.get_world_size(),), mesh_dim_names=("tp",))
+
+
+def init_process_group(timeout_s: float = 600.0) -> None:
+    """Join the torchrun job described by the environment, or start a world of one; no-op if already joined."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        return
+    store = dist.HashStore()
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
+
+
+def _local_dir(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        return p
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"]))

@@ -1,0 +1,101 @@
+"""Where each piece of a model parameter lives in a checkpoint, and which part of it a rank must read.
+
+A parameter (say ``w1``, shape (E, dim, hidden)) is filled from one or more checkpoint tensors. Each
+:class:`Source` names one tensor and maps every parameter dim either to a fixed index (a per-expert key fills
+``w1[e]`` only) or to an :class:`Axis` of the checkpoint tensor, with an offset and a step (gate and up
+halves of a packed ``gate_up_proj``, interleaved or concatenated, transposed or not). From a rank's local box
+of the parameter, :meth:`Source.request` computes the box to read from the checkpoint and where it lands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Box = tuple[tuple[int, int], ...]  # [start, stop) per dim
+
+
+@dataclass(frozen=True)
+class Axis:
+    """Parameter index ``i`` along this dim is checkpoint index ``start + step * i`` along ``dim``."""
+
+    dim: int
+    start: int = 0
+    step: int = 1
+
+
+@dataclass(frozen=True)
+class Request:
+    """Read ``key[read]``, take every ``steps``-th element, permute by ``perm``, unsqueeze ``fixed`` dims,
+    and copy into the local shard at ``into`` (local coordinates)."""
+
+    key: str
+    read: tuple[slice, ...]
+    steps: tuple[int, ...]
+    perm: tuple[int, ...]
+    fixed: tuple[int, ...]
+    into: tuple[slice, ...]
+    numel: int
+
+    def place(self, tensor: torch.Tensor, local: torch.Tensor) -> None:
+        """Copy the tensor read for this request into ``local`` (casting its dtype)."""
+        if any(s != 1 for s in self.steps):
+            tensor = tensor[tuple(slice(None, None, s) for s in self.steps)]
+        tensor = tensor.permute(self.perm)
+        for d in self.fixed:
+            tensor = tensor.unsqueeze(d)
+        local[self.into].copy_(tensor)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One checkpoint tensor ``key`` of shape ``shape`` and how it maps onto the parameter's dims."""
+
+    key: str
+    dims: tuple[Axis | int, ...]
+    shape: tuple[int, ...]
+
+    def region(self, param_shape: tuple[int, ...]) -> Box:
+        """The part of the parameter this source fills."""
+        return tuple((d, d + 1) if isinstance(d, int) else (0, n) for d, n in zip(self.dims, param_shape, strict=True))
+
+    def expected_extent(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Checkpoint extent this source needs along each checkpoint dim (for shape checks)."""
+        need = [0] * len(self.shape)
+        for d, n in zip(self.dims, param_shape, strict=True):
+            if isinstance(d, Axis):
+                need[d.dim] = d.start + d.step * (n - 1) + 1
+        return tuple(need)
+
+    def request(self, param_shape: tuple[int, ...], local_box: Box) -> Request | None:
+        """What to read for the part of ``local_box`` this source covers; None when they do not meet."""
+        region = self.region(param_shape)
+        inter = [(max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(region, local_box, strict=True)]
+        if any(a >= b for a, b in inter):
+            return None
+        read = [slice(None)] * len(self.shape)
+        steps = [1] * len(self.shape)
+        axes = []
+        for d, (a, b) in zip(self.dims, inter, strict=True):
+            if isinstance(d, Axis):
+                read[d.dim] = slice(d.start + d.step * a, d.start + d.step * (b - 1) + 1)
+                steps[d.dim] = d.step
+                axes.append(d.dim)
+        numel = 1
+        for a, b in inter:
+            numel *= b - a
+        return Request(
+            key=self.key,
+            read=tuple(read),
+            steps=tuple(steps),
+            perm=tuple(axes),
+            fixed=tuple(i for i, d in enumerate(self.dims) if isinstance(d, int)),
+            into=tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(inter, local_box, strict=True)),
+            numel=numel,
+        )
+
+
+def identity(key: str, shape: tuple[int, ...]) -> Source:
+    """A checkpoint tensor that is the parameter itself."""
+    return Source(key, tuple(Axis(i) for i in range(len(shape))), tuple(shape))

@@ -1,0 +1,180 @@
+"""The generic adapter: any transformers expert module described by its ``@use_experts_implementation`` flags.
+
+transformers 5 stores a layer's experts as ``gate_up_proj`` (E, 2*I, H) and ``down_proj`` (E, H, I), or the
+transposed (E, H, 2*I) / (E, I, H) (``is_transposed``); gate and up halves concatenated or interleaved
+(``is_concatenated``); with biases (``has_bias``); or an ungated ``up_proj`` (``has_gate=False``). Hub
+checkpoints of several families instead keep one 2-D ``nn.Linear`` weight per expert
+(``experts.{e}.w1.weight``), which the family's checkpoint conversion in transformers names. The adapter
+swaps each expert module for a :class:`GroupedExperts` and says, for each of its parameters, which checkpoint
+tensors fill it (:class:`hf_moe_tp.sources.Source`). Family modules subclass it only where a family differs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import nn
+from transformers.activations import ACT2CLS
+from transformers.integrations.moe import _default_apply_gate
+
+from hf_moe_tp.experts import ExpertActivation, GroupedExperts
+from hf_moe_tp.sources import Axis, Source
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How one family lays out its experts in transformers' module and packed checkpoints."""
+
+    num_experts: int
+    dim: int
+    hidden: int
+    transposed: bool = False
+    concatenated: bool = True
+    bias: bool = False
+    gated: bool = True
+
+
+class Adapter:
+    """Maps transformers' expert modules (and their checkpoint keys) onto GroupedExperts."""
+
+    name = "generic"
+    # Per-expert checkpoint names (gate, up, down) tried when the family's conversion mapping names none.
+    per_expert_names: tuple[tuple[str, str, str], ...] = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+    # ---- module side -------------------------------------------------------------------------------------
+    def is_experts(self, module: nn.Module) -> bool:
+        """transformers' decorated expert modules carry ``has_gate``; their weights are ``down_proj`` + (gate_)up."""
+        return hasattr(module, "has_gate") and hasattr(module, "down_proj") and not isinstance(module, GroupedExperts)
+
+    def layout(self, module: nn.Module) -> ExpertLayout:
+        gated = module.has_gate
+        up = module.gate_up_proj if gated else module.up_proj
+        num_experts, *rest = up.shape
+        transposed = module.is_transposed
+        dim, width = (rest[0], rest[1]) if transposed else (rest[1], rest[0])
+        return ExpertLayout(
+            num_experts=num_experts,
+            dim=dim,
+            hidden=width // 2 if gated else width,
+            transposed=transposed,
+            concatenated=module.is_concatenated,
+            bias=module.has_bias,
+            gated=gated,
+        )
+
+    def activation(self, module: nn.Module) -> ExpertActivation:
+        gate_fn = getattr(type(module), "_apply_gate", _default_apply_gate)
+        if gate_fn is not _default_apply_gate:
+            if hasattr(module, "alpha") and hasattr(module, "limit"):
+                return ExpertActivation.clamped_swiglu(alpha=float(module.alpha), limit=float(module.limit))
+            raise NotImplementedError(
+                f"{type(module).__name__} has its own gating ({gate_fn.__qualname__}); it needs an adapter in "
+                "model_patches/"
+            )
+        return ExpertActivation(activation_name(module.act_fn), gated=module.has_gate)
+
+    def swap_experts(self, model: nn.Module) -> dict[str, ExpertLayout]:
+        """Replace every expert module by a GroupedExperts on the same device (meta stays meta)."""
+        layouts = {}
+        for name, module in list(model.named_modules()):
+            if not self.is_experts(module):
+                continue
+            layout = self.layout(module)
+            device = next(module.parameters()).device
+            dtype = next(module.parameters()).dtype
+            new = GroupedExperts(layout.num_experts, layout.dim, layout.hidden, activation=self.activation(module),
+                                 bias=layout.bias, device=device, dtype=dtype)
+            new.checkpoint_layout = layout  # read by the loader
+            model.set_submodule(name, new)
+            layouts[name] = layout
+        return layouts
+
+    # ---- checkpoint side ---------------------------------------------------------------------------------
+    def expert_sources(
+        self, prefix: str, layout: ExpertLayout, shapes: dict[str, tuple[int, ...]], per_expert: list[tuple[str, ...]]
+    ) -> dict[str, list[Source]]:
+        """Sources of ``{prefix}.w1`` etc. from whichever format ``shapes`` (model-named keys) holds."""
+        if f"{prefix}.gate_up_proj" in shapes or f"{prefix}.up_proj" in shapes:
+            return packed_sources(prefix, layout, shapes)
+        for names in per_expert + list(self.per_expert_names):
+            if f"{prefix}.0.{names[-1]}.weight" in shapes:
+                return per_expert_sources(prefix, layout, names, shapes)
+        return {}
+
+
+def packed_sources(prefix: str, layout: ExpertLayout, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[Source]]:
+    """transformers' own 3-D layout: gate_up_proj/up_proj and down_proj (+ ``_bias``)."""
+    e, h, i = layout.num_experts, layout.dim, layout.hidden
+    halves = {"w1": 0, "w3": 1} if layout.gated else {"w1": 0}
+    up_key = f"{prefix}.gate_up_proj" if layout.gated else f"{prefix}.up_proj"
+    width = 2 * i if layout.gated else i
+
+    def half(which: int, ckpt_dim: int) -> Axis:
+        if not layout.gated:
+            return Axis(ckpt_dim)
+        return Axis(ckpt_dim, start=which * i, step=1) if layout.concatenated else Axis(ckpt_dim, start=which, step=2)
+
+    out: dict[str, list[Source]] = {}
+    for name, which in halves.items():
+        if layout.transposed:  # (E, H, width): already (E, dim, hidden)
+            out[name] = [Source(up_key, (Axis(0), Axis(1), half(which, 2)), (e, h, width))]
+        else:  # (E, width, H)
+            out[name] = [Source(up_key, (Axis(0), Axis(2), half(which, 1)), (e, width, h))]
+        if layout.bias:
+            out[f"b{name[1]}"] = [Source(f"{up_key}_bias", (Axis(0), half(which, 1)), (e, width))]
+    down = f"{prefix}.down_proj"
+    if layout.transposed:  # (E, I, H)
+        out["w2"] = [Source(down, (Axis(0), Axis(1), Axis(2)), (e, i, h))]
+    else:  # (E, H, I)
+        out["w2"] = [Source(down, (Axis(0), Axis(2), Axis(1)), (e, h, i))]
+    if layout.bias:
+        out["b2"] = [Source(f"{down}_bias", (Axis(0), Axis(1)), (e, h))]
+    return {f"{prefix}.{k}": v for k, v in out.items()}
+
+
+def per_expert_sources(
+    prefix: str, layout: ExpertLayout, names: tuple[str, ...], shapes: dict[str, tuple[int, ...]]
+) -> dict[str, list[Source]]:
+    """Hub layout: one ``nn.Linear`` per expert and projection, ``{prefix}.{e}.{name}.weight`` of (out, in)."""
+    h, i = layout.dim, layout.hidden
+    targets = dict(zip(("w1", "w3", "w2") if layout.gated else ("w1", "w2"), names, strict=True))
+    out: dict[str, list[Source]] = {}
+    for target, name in targets.items():
+        shape = (h, i) if target == "w2" else (i, h)
+        out[f"{prefix}.{target}"] = [
+            Source(f"{prefix}.{e}.{name}.weight", (e, Axis(1), Axis(0)), shape) for e in range(layout.num_experts)
+        ]
+        if layout.bias:
+            out[f"{prefix}.b{target[1]}"] = [
+                Source(f"{prefix}.{e}.{name}.bias", (e, Axis(0)), (shape[0],)) for e in range(layout.num_experts)
+            ]
+    return out
+
+
+def per_expert_names_from_conversions(conversions: list) -> list[tuple[str, ...]]:
+    """(gate, up, down) names of per-expert keys that transformers' conversion mapping merges into experts."""
+    found: dict[str, list[str]] = {}
+    for conversion in conversions:
+        targets = getattr(conversion, "target_patterns", [])
+        for target in targets:
+            for packed in ("gate_up_proj", "down_proj", "up_proj"):
+                if target.endswith(f"experts.{packed}"):
+                    names = [m.group(1) for p in conversion.source_patterns
+                             if (m := re.search(r"experts\.\*\.(\w+)\.weight$", p))]
+                    if names:
+                        found.setdefault(packed, names)
+    gate_up = found.get("gate_up_proj") or found.get("up_proj")
+    down = found.get("down_proj")
+    return [(*gate_up, *down)] if gate_up and down else []
+
+
+def activation_name(fn: nn.Module) -> str:
+    """The ACT2FN name of an activation module (the first registered name of its class without options)."""
+    for name, cls in ACT2CLS.items():
+        if not isinstance(cls, tuple) and type(fn) is cls:
+            return name
+    for name, cls in ACT2CLS.items():
+        if isinstance(cls, tuple) and type(fn) is cls[0] and all(getattr(fn, k, v) == v for k, v in cls[1].items()):
+            return name
+    raise NotImplementedError(f"activation {type(fn).__name__} is not in transformers' ACT2CLS")

@@ -1,0 +1,49 @@
+"""Tiny checkpoints of each MoE family, made from transformers' config classes and saved with save_pretrained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+COMMON = dict(vocab_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def configs(uneven: bool = False) -> dict:
+    """Family name -> config. ``uneven``: expert hidden sizes that do not divide by 2 or 4."""
+    i = 22 if uneven else 24
+    return {
+        "mixtral": MixtralConfig(hidden_size=32, intermediate_size=i, num_local_experts=4, num_experts_per_tok=2,
+                                 **COMMON),
+        "qwen2_moe": Qwen2MoeConfig(hidden_size=32, intermediate_size=48, moe_intermediate_size=i, num_experts=8,
+                                    num_experts_per_tok=2, shared_expert_intermediate_size=40, **COMMON),
+        "qwen3_moe": Qwen3MoeConfig(hidden_size=32, intermediate_size=48, moe_intermediate_size=i, num_experts=8,
+                                    num_experts_per_tok=2, head_dim=8, norm_topk_prob=True, **COMMON),
+        "olmoe": OlmoeConfig(hidden_size=32, intermediate_size=i, num_experts=8, num_experts_per_tok=2, **COMMON),
+    }
+
+
+def save_family(family: str, root: Path, *, uneven: bool = False, packed: bool = False, seed: int = 0) -> Path:
+    """Save a randomly initialised tiny model of ``family`` with save_pretrained (the hub's on-disk format).
+
+    ``packed``: write transformers' in-memory layout instead (``experts.gate_up_proj``/``down_proj``).
+    """
+    config = configs(uneven)[family]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # O(1) activations, so 1e-5 absolute is a real bound
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, p.shape[-1] ** -0.5 if "proj" in name or "experts" in name else 1.0)
+    path = root / f"{family}{'-uneven' if uneven else ''}{'-packed' if packed else ''}"
+    model.save_pretrained(path)
+    if packed:
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        (path / "model.safetensors").unlink()
+        for index in path.glob("*.index.json"):
+            index.unlink()
+        save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    return path

@@ -1,0 +1,155 @@
+"""from_pretrained on 1, 2 and 4 gloo ranks against transformers' own single-process model on the same files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from families import save_family
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from transformers import AutoModelForCausalLM
+
+import hf_moe_tp
+from hf_moe_tp import GroupedExperts
+
+FP32_TOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    cache: dict = {}
+
+    def get(family: str, uneven: bool = False, packed: bool = False):
+        key = (family, uneven, packed)
+        if key not in cache:
+            cache[key] = save_family(family, root, uneven=uneven, packed=packed)
+        return cache[key]
+
+    return get
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _compare_with_transformers(path: str):
+    """Load sharded and unsharded; compare logits, greedy tokens, one AdamW step, placements and reads."""
+    torch.manual_seed(0)
+    model = hf_moe_tp.from_pretrained(path, record_reads=True)
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    with torch.no_grad():
+        logits, ref_logits = model(ids).logits, ref(ids).logits
+    tokens = model.generate(ids[:1], max_new_tokens=16, do_sample=False)
+    ref_tokens = ref.generate(ids[:1], max_new_tokens=16, do_sample=False)
+
+    # placements: experts split by hidden, routers replicated, nothing left a plain tensor
+    placements, plain = {}, []
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            placements[name] = {n: p.placements for n, p in module.named_parameters()}
+    routers = {n: p.placements for n, p in model.named_parameters() if n.endswith(("gate.weight", "router.weight"))}
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+
+    # local shards equal the slices of the full tensors (gather-free check against transformers' weights)
+    shard_errors = []
+    ref_params = dict(ref.named_parameters())
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            hidden = module.hidden
+            gate_up = ref_params[f"{name}.gate_up_proj"].detach().transpose(1, 2)
+            full = {"w1": gate_up[..., :hidden], "w3": gate_up[..., hidden:],
+                    "w2": ref_params[f"{name}.down_proj"].detach().transpose(1, 2)}
+            for pname, tensor in full.items():
+                local = getattr(module, pname)
+                box = hf_moe_tp.loading.local_box(local)
+                expected = tensor[tuple(slice(a, b) for a, b in box)]
+                if not torch.equal(local.to_local(), expected):
+                    shard_errors.append(f"{name}.{pname}")
+
+    # reads: every per-expert or packed expert read covers this rank's slice of hidden, not the whole tensor
+    world = dist.get_world_size()
+    report = model.hf_moe_tp_load
+    expert_reads = [(k, s) for k, s in report.reads if "experts" in k]
+    widest = 0.0
+    for key, slices in expert_reads:
+        info_shape = _ckpt_shape(path, key)
+        fractions = [((s.stop if s.stop is not None else n) - (s.start or 0)) / n
+                     for s, n in zip(slices, info_shape, strict=False)]
+        widest = max(widest, min(fractions) if fractions else 1.0)
+
+    # one training step
+    model.train()
+    ref.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    ref_loss = ref(ids, labels=ids).loss
+    ref_loss.backward()
+    opt.step()
+    ref_opt.step()
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        after, ref_after = model(ids).logits, ref(ids).logits
+
+    return {
+        "logits": (logits - ref_logits).abs().max().item(),
+        "tokens_equal": torch.equal(tokens, ref_tokens),
+        "loss": abs(loss.item() - ref_loss.item()),
+        "logits_after_step": (after - ref_after).abs().max().item(),
+        "expert_placements": placements,
+        "router_placements": routers,
+        "plain_params": plain,
+        "shard_errors": shard_errors,
+        "expert_reads": len(expert_reads),
+        "widest_read_fraction": widest,
+        "world": world,
+        "unexpected": report.unexpected,
+    }
+
+
+def _ckpt_shape(path, key):
+    from hf_moe_tp.checkpoint import Checkpoint
+
+    return Checkpoint(path).tensors[key].shape
+
+
+def _check(results):
+    for r in results:
+        assert r["logits"] <= FP32_TOL, r["logits"]
+        assert r["tokens_equal"]
+        assert r["loss"] <= FP32_TOL and r["logits_after_step"] <= FP32_TOL, (r["loss"], r["logits_after_step"])
+        assert r["expert_placements"], "no GroupedExperts"
+        for placements in r["expert_placements"].values():
+            assert placements["w1"] == (Shard(2),) and placements["w3"] == (Shard(2),)
+            assert placements["w2"] == (Shard(1),)
+        assert r["router_placements"] and all(p == (Replicate(),) for p in r["router_placements"].values())
+        assert r["plain_params"] == []
+        assert r["shard_errors"] == []
+        assert r["expert_reads"] > 0
+        if r["world"] > 1:  # no read of a whole expert tensor: each covers at most this rank's share
+            assert r["widest_read_fraction"] <= 0.5 + 1e-9, r["widest_read_fraction"]
+        assert r["unexpected"] == []
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_family_matches_transformers(ranks, checkpoints, family, world):
+    _check(ranks(world).run(_compare_with_transformers, str(checkpoints(family))))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_uneven_expert_hidden(ranks, checkpoints, family):
+    _check(ranks(2).run(_compare_with_transformers, str(checkpoints(family, uneven=True))))
+
+
+def test_mixtral_packed_checkpoint(ranks, checkpoints):
+    _check(ranks(2).run(_compare_with_transformers, str(checkpoints("mixtral", packed=True))))
+
+
+def test_mixtral_tp4(ranks, checkpoints):
+    _check(ranks(4).run(_compare_with_transformers, str(checkpoints("mixtral", uneven=True))))
