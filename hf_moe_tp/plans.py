@@ -3,8 +3,9 @@
 ``tp_plan(model, tp_size)`` follows the model's own transformers plan for attention, dense MLPs, shared
 experts, embeddings and ``lm_head`` where the sizes divide by the TP size, gives every GroupedExperts
 ``TensorParallel`` and every router ``NoParallel``. ``apply_plan`` applies a plan with ``parallelize_module``
-and makes every parameter left over a replicated DTensor (through ``NoParallel`` on its module), so the whole
-model lives on one mesh.
+and makes every parameter left over a replicated DTensor, so the whole model lives on one mesh. Those modules
+(norms, unsplit embeddings) compute replicated on their local tensors (``LocalParams``), with no DTensor
+dispatch in the hot path and no mixing of plain tensors and DTensors in code that does not expect them.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
     leftovers = {}
     for name, module in model.named_modules():
         if any(not _is_dtensor(p) for p in module.parameters(recurse=False)):
-            leftovers[name] = NoParallel()
+            leftovers[name] = LocalParams(sum_grads=False)
     if leftovers:
         parallelize_module(model, mesh, leftovers)
     return model

@@ -128,7 +128,7 @@ class LocalParams(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_mesh(device_mesh, self)
-        distribute_params(module, device_mesh, self.placements, self.src_data_rank)
+        distribute_params(module, device_mesh, self.placements, self.src_data_rank, recurse=False)
         names = [n for n, p in module.named_parameters(recurse=False) if p is not None]
         group = device_mesh.get_group()
         saved: list[dict[str, nn.Parameter]] = []
@@ -181,10 +181,12 @@ def distribute_params(
     placements: dict[str, Placement],
     src_data_rank: int | None = 0,
     buffers: bool = False,
+    recurse: bool = True,
 ) -> None:
     """Turn ``module``'s parameters into DTensors: those named in ``placements`` (direct parameters of
-    ``module``) as given, all others (and, with ``buffers``, all buffers) replicated. Idempotent."""
-    for owner in module.modules():
+    ``module``) as given, all others (and, with ``buffers``, all buffers) replicated; with ``recurse=False``
+    only ``module``'s own. Idempotent."""
+    for owner in module.modules() if recurse else [module]:
         direct = owner is module
         for name, p in list(owner.named_parameters(recurse=False)):
             if p is None or isinstance(p, DTensor):

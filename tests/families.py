@@ -6,7 +6,14 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    MixtralConfig,
+    OlmoeConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
 
 COMMON = dict(vocab_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, tie_word_embeddings=False)
@@ -23,6 +30,12 @@ def configs(uneven: bool = False) -> dict:
         "qwen3_moe": Qwen3MoeConfig(hidden_size=32, intermediate_size=48, moe_intermediate_size=i, num_experts=8,
                                     num_experts_per_tok=2, head_dim=8, norm_topk_prob=True, **COMMON),
         "olmoe": OlmoeConfig(hidden_size=32, intermediate_size=i, num_experts=8, num_experts_per_tok=2, **COMMON),
+        # MLA attention (kv heads = heads), a dense first layer, a shared expert, grouped top-k routing
+        "deepseek_v3": DeepseekV3Config(
+            hidden_size=32, intermediate_size=48, moe_intermediate_size=i, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=24,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, rope_parameters={"rope_type": "default"},
+            **{**COMMON, "num_key_value_heads": 4}),
     }
 
 
@@ -31,14 +44,18 @@ def save_family(family: str, root: Path, *, uneven: bool = False, packed: bool =
 
     ``packed``: write transformers' in-memory layout instead (``experts.gate_up_proj``/``down_proj``).
     """
-    config = configs(uneven)[family]
+    name = f"{family}{'-uneven' if uneven else ''}{'-packed' if packed else ''}"
+    return save_model(configs(uneven)[family], root / name, packed=packed, seed=seed)
+
+
+def save_model(config, path: Path, *, packed: bool = False, seed: int = 0) -> Path:
+    """A model of ``config`` with seeded O(1)-activation weights, saved with save_pretrained to ``path``."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # O(1) activations, so 1e-5 absolute is a real bound
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0, p.shape[-1] ** -0.5 if "proj" in name or "experts" in name else 1.0)
-    path = root / f"{family}{'-uneven' if uneven else ''}{'-packed' if packed else ''}"
     model.save_pretrained(path)
     if packed:
         state = {k: v.contiguous() for k, v in model.state_dict().items()}

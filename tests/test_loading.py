@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -72,7 +74,7 @@ def _compare_with_transformers(path: str):
     # reads: every per-expert or packed expert read covers this rank's slice of hidden, not the whole tensor
     world = dist.get_world_size()
     report = model.hf_moe_tp_load
-    expert_reads = [(k, s) for k, s in report.reads if "experts" in k]
+    expert_reads = [(k, s) for k, s in report.reads if re.search(r"(?<!shared_)experts\.", k)]
     widest = 0.0
     for key, slices in expert_reads:
         info_shape = _ckpt_shape(path, key)
@@ -137,7 +139,7 @@ def _check(results):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"])
 def test_family_matches_transformers(ranks, checkpoints, family, world):
     _check(ranks(world).run(_compare_with_transformers, str(checkpoints(family))))
 
@@ -151,5 +153,6 @@ def test_mixtral_packed_checkpoint(ranks, checkpoints):
     _check(ranks(2).run(_compare_with_transformers, str(checkpoints("mixtral", packed=True))))
 
 
-def test_mixtral_tp4(ranks, checkpoints):
-    _check(ranks(4).run(_compare_with_transformers, str(checkpoints("mixtral", uneven=True))))
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_tp4(ranks, checkpoints, family):
+    _check(ranks(4).run(_compare_with_transformers, str(checkpoints(family, uneven=True))))
