@@ -72,6 +72,9 @@ class GroupedExperts(nn.Module):
 
     Optional biases: ``b1``/``b3`` (E, hidden), ``b2`` (E, dim). ``b2`` is added by the first rank of each
     mesh dimension that splits ``w2``'s rows, so it counts once in the reduced sum.
+
+    ``score_before_experts``: scale each routed token by its weight before the experts instead of scaling the
+    experts' outputs (Llama 4).
     """
 
     def __init__(
@@ -82,12 +85,14 @@ class GroupedExperts(nn.Module):
         *,
         activation: ExpertActivation | None = None,
         bias: bool = False,
+        score_before_experts: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
         self.activation = activation or ExpertActivation()
+        self.score_before_experts = score_before_experts
         gated = self.activation.gated
 
         def param(*shape: int) -> nn.Parameter:
@@ -125,6 +130,9 @@ class GroupedExperts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts)
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = x[order // top_k]
+        row_weights = weights.reshape(-1)[order].unsqueeze(-1)
+        if self.score_before_experts:
+            rows = rows * row_weights.to(rows.dtype)
 
         h1 = _with_bias(grouped_mm(rows, w1, offsets), self.b1, expert_of_row)
         h3 = None
@@ -136,7 +144,8 @@ class GroupedExperts(nn.Module):
 
         # Weight, put back in (token, slot) order and sum the slots: accumulates in the routing weights'
         # dtype (fp32 from most routers) and rounds once, as transformers does.
-        out = out * weights.reshape(-1)[order].unsqueeze(-1)
+        if not self.score_before_experts:
+            out = out * row_weights
         out = out.new_empty(out.shape).index_copy(0, order, out)
         return out.view(num_tokens, top_k, out.size(-1)).sum(dim=1).to(x.dtype)
 
@@ -144,6 +153,7 @@ class GroupedExperts(nn.Module):
         return (
             f"num_experts={self.num_experts}, dim={self.dim}, hidden={self.hidden}, "
             f"activation={self.activation}, bias={self.b1 is not None}"
+            + (", score_before_experts=True" if self.score_before_experts else "")
         )
 
 

@@ -58,6 +58,9 @@ def tp_plan(model: nn.Module, tp_size: int | None = None) -> dict[str, ParallelS
                 continue
             if tp_size is None or _divides(name, module, style_name, config, tp_size):
                 plan[name] = HF_STYLES[style_name]()
+    from model_patches import adapter_for
+
+    plan.update(adapter_for(model).plan_entries(model, tp_size))
     for name, module in modules.items():
         if isinstance(module, GroupedExperts):
             plan[name] = TensorParallel()
@@ -102,15 +105,21 @@ def _is_embedding_or_head(name: str, model: nn.Module) -> bool:
     return module is inputs or module is outputs
 
 
+def heads_divide(config, tp_size: int | None) -> bool:
+    """Whether attention heads (query and key/value) split evenly over ``tp_size`` ranks."""
+    if tp_size is None:
+        return True
+    text = getattr(config, "get_text_config", lambda: config)()
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    return heads is not None and heads % tp_size == 0 and kv % tp_size == 0
+
+
 def _divides(name: str, module: nn.Module, style_name: str, config, tp_size: int) -> bool:
     """Whether ``module`` splits evenly into ``tp_size`` along the dim its style splits. A per-head norm
     (``replicated_with_grad_allreduce``) goes with its attention: local only when the heads are split."""
-    if "attn" in name or "attention" in name:
-        text = getattr(config, "get_text_config", lambda: config)()
-        heads = getattr(text, "num_attention_heads", None)
-        kv = getattr(text, "num_key_value_heads", None) or heads
-        if heads is None or heads % tp_size or kv % tp_size:
-            return False
+    if ("attn" in name or "attention" in name) and not heads_divide(config, tp_size):
+        return False
     if style_name == "replicated_with_grad_allreduce":
         return True
     if isinstance(module, nn.Embedding):

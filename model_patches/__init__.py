@@ -9,9 +9,15 @@ from __future__ import annotations
 from torch import nn
 
 from .base import Adapter
+from .gpt_oss import GptOssAdapter
+from .llama4 import Llama4Adapter
 
 # model_type -> adapter, for families that differ from the generic layout-driven adapter.
-FAMILIES: dict[str, Adapter] = {}
+FAMILIES: dict[str, Adapter] = {
+    "gpt_oss": GptOssAdapter(),
+    "llama4_text": Llama4Adapter(),
+    "llama4": Llama4Adapter(),
+}
 
 
 def adapter_for(model: nn.Module) -> Adapter:

@@ -81,14 +81,21 @@ class Adapter:
             if not self.is_experts(module):
                 continue
             layout = self.layout(module)
-            device = next(module.parameters()).device
-            dtype = next(module.parameters()).dtype
-            new = GroupedExperts(layout.num_experts, layout.dim, layout.hidden, activation=self.activation(module),
-                                 bias=layout.bias, device=device, dtype=dtype)
+            new = self.new_experts(module, layout)
             new.checkpoint_layout = layout  # read by the loader
             model.set_submodule(name, new)
             layouts[name] = layout
         return layouts
+
+    def new_experts(self, module: nn.Module, layout: ExpertLayout) -> GroupedExperts:
+        """The GroupedExperts standing in for ``module`` (same device and dtype; meta stays meta)."""
+        p = next(module.parameters())
+        return GroupedExperts(layout.num_experts, layout.dim, layout.hidden, activation=self.activation(module),
+                              bias=layout.bias, device=p.device, dtype=p.dtype)
+
+    def plan_entries(self, model: nn.Module, tp_size: int | None) -> dict:
+        """Styles this family needs beyond transformers' plan (module name -> ParallelStyle)."""
+        return {}
 
     # ---- checkpoint side ---------------------------------------------------------------------------------
     def expert_sources(

@@ -9,6 +9,8 @@ from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    GptOssConfig,
+    Llama4TextConfig,
     MixtralConfig,
     OlmoeConfig,
     Qwen2MoeConfig,
@@ -36,6 +38,12 @@ def configs(uneven: bool = False) -> dict:
             n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=24,
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, rope_parameters={"rope_type": "default"},
             **{**COMMON, "num_key_value_heads": 4}),
+        # interleaved gate/up with biases, clamped SwiGLU, attention sinks, sliding-window layers
+        "gpt_oss": GptOssConfig(hidden_size=32, intermediate_size=i, num_local_experts=4, num_experts_per_tok=2,
+                                head_dim=8, sliding_window=8, **COMMON),
+        # packed (E, H, 2I) experts scored before they run, a shared expert, top-1 routing
+        "llama4": Llama4TextConfig(hidden_size=32, intermediate_size=i, intermediate_size_mlp=48,
+                                   num_local_experts=4, num_experts_per_tok=1, head_dim=8, **COMMON),
     }
 
 
@@ -52,10 +60,10 @@ def save_model(config, path: Path, *, packed: bool = False, seed: int = 0) -> Pa
     """A model of ``config`` with seeded O(1)-activation weights, saved with save_pretrained to ``path``."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # O(1) activations, so 1e-5 absolute is a real bound
+    with torch.no_grad():  # O(1) activations and logits, so 2e-5 absolute is a real bound
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0, p.shape[-1] ** -0.5 if "proj" in name or "experts" in name else 1.0)
+                p.normal_(0, 1.0 if "embed_tokens" in name else p.shape[-1] ** -0.5)
     model.save_pretrained(path)
     if packed:
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
