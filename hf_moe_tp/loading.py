@@ -9,6 +9,7 @@ rank, so a bad checkpoint raises everywhere instead of leaving ranks waiting.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from model_patches.base import per_expert_names_from_conversions
 from .checkpoint import Checkpoint, CheckpointError
 from .experts import GroupedExperts
 from .sources import Box, Request, Source, identity
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,9 +97,13 @@ def load_checkpoint(
         if hasattr(model, "tie_weights"):
             model.tie_weights()
         used = {to_ckpt[s.key] for name in targets for s in sources[name]}
+        unexpected = sorted(set(ckpt.keys()) - used)
+        if unexpected and _rank() == 0:
+            shown = ", ".join(unexpected[:8]) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
+            logger.warning("%s: %d checkpoint tensors are not used by the model: %s", path, len(unexpected), shown)
         return LoadReport(
             loaded=list(targets),
-            unexpected=sorted(set(ckpt.keys()) - used),
+            unexpected=unexpected,
             reads=list(ckpt.reads),
             bytes_read=ckpt.bytes_read,
             seconds=time.perf_counter() - start,

@@ -47,6 +47,7 @@ def from_pretrained(
     with init_empty_weights(include_buffers=False):
         model = cls.from_config(config, dtype=dtype) if hasattr(cls, "from_config") else cls._from_config(
             config, dtype=dtype)
+    model.tie_weights()  # transformers ties after loading; we need the ties before the plan
     model.hf_moe_tp_adapter = adapter_for(model)
     model.hf_moe_tp_adapter.swap_experts(model)
     plan = _plan(model, tp_plan, mesh)

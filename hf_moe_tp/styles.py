@@ -191,9 +191,12 @@ def distribute_params(
         for name, p in list(owner.named_parameters(recurse=False)):
             if p is None or isinstance(p, DTensor):
                 continue
-            placement = placements.get(name, Replicate()) if direct else Replicate()
-            dt = distribute_tensor(p.data, mesh, [placement], src_data_rank=src_data_rank)
-            owner.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+            converted = getattr(p, "_hf_moe_tp_dtensor", None)  # a tied parameter seen in another module
+            if converted is None:
+                placement = placements.get(name, Replicate()) if direct else Replicate()
+                dt = distribute_tensor(p.data, mesh, [placement], src_data_rank=src_data_rank)
+                converted = p._hf_moe_tp_dtensor = nn.Parameter(dt, requires_grad=p.requires_grad)
+            owner.register_parameter(name, converted)
         if buffers:
             for name, b in list(owner.named_buffers(recurse=False)):
                 if b is not None and not isinstance(b, DTensor):

@@ -47,13 +47,16 @@ def configs(uneven: bool = False) -> dict:
     }
 
 
-def save_family(family: str, root: Path, *, uneven: bool = False, packed: bool = False, seed: int = 0) -> Path:
+def save_family(family: str, root: Path, *, uneven: bool = False, packed: bool = False, tied: bool = False,
+                seed: int = 0) -> Path:
     """Save a randomly initialised tiny model of ``family`` with save_pretrained (the hub's on-disk format).
 
     ``packed``: write transformers' in-memory layout instead (``experts.gate_up_proj``/``down_proj``).
     """
-    name = f"{family}{'-uneven' if uneven else ''}{'-packed' if packed else ''}"
-    return save_model(configs(uneven)[family], root / name, packed=packed, seed=seed)
+    name = f"{family}{'-uneven' if uneven else ''}{'-packed' if packed else ''}{'-tied' if tied else ''}"
+    config = configs(uneven)[family]
+    config.tie_word_embeddings = tied
+    return save_model(config, root / name, packed=packed, seed=seed)
 
 
 def save_model(config, path: Path, *, packed: bool = False, seed: int = 0) -> Path:

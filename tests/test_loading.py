@@ -22,10 +22,10 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     cache: dict = {}
 
-    def get(family: str, uneven: bool = False, packed: bool = False):
-        key = (family, uneven, packed)
+    def get(family: str, uneven: bool = False, packed: bool = False, tied: bool = False):
+        key = (family, uneven, packed, tied)
         if key not in cache:
-            cache[key] = save_family(family, root, uneven=uneven, packed=packed)
+            cache[key] = save_family(family, root, uneven=uneven, packed=packed, tied=tied)
         return cache[key]
 
     return get
@@ -71,8 +71,8 @@ def _compare_with_transformers(path: str):
     world = dist.get_world_size()
     report = model.hf_moe_tp_load
     # routed experts' keys; b2 (down_proj_bias) is replicated by design, so it is read whole
-    expert_reads = [(k, s) for k, s in report.reads
-                    if re.search(r"(?<!shared_)experts\.", k) and not re.search(r"(down_proj_bias|down_proj\.bias)$", k)]
+    expert_reads = [(k, s) for k, s in report.reads if re.search(r"(?<!shared_)experts\.", k)
+                    and not re.search(r"(down_proj_bias|down_proj\.bias)$", k)]
     widest = 0.0
     for key, slices in expert_reads:
         info_shape = _ckpt_shape(path, key)
@@ -141,7 +141,8 @@ def _check(results):
     for r in results:
         assert r["logits"] <= FP32_TOL, r["logits"]
         assert r["tokens_equal"]
-        assert r["loss"] <= FP32_TOL and r["logits_after_step"] <= FP32_TOL, (r["loss"], r["logits_after_step"], r["logits_scale"])
+        assert r["loss"] <= FP32_TOL and r["logits_after_step"] <= FP32_TOL, (
+            r["loss"], r["logits_after_step"], r["logits_scale"])
         assert r["expert_placements"], "no GroupedExperts"
         for placements in r["expert_placements"].values():
             assert placements["w1"] == (Shard(2),) and placements["w3"] == (Shard(2),)
@@ -167,6 +168,11 @@ def test_family_matches_transformers(ranks, checkpoints, family, world):
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss", "llama4"])
 def test_uneven_expert_hidden(ranks, checkpoints, family):
     _check(ranks(2).run(_compare_with_transformers, str(checkpoints(family, uneven=True))))
+
+
+def test_tied_embeddings(ranks, checkpoints):
+    """lm_head shares embed_tokens' weight (one tensor in the file): both stay replicated and tied."""
+    _check(ranks(2).run(_compare_with_transformers, str(checkpoints("qwen3_moe", tied=True))))
 
 
 def test_mixtral_packed_checkpoint(ranks, checkpoints):
@@ -238,3 +244,21 @@ def test_missing_and_misshapen_tensors_are_named(ranks, checkpoints, tmp_path):
         assert "model.layers.1.mlp.experts.2.w3.weight" in messages[0] or key in messages[0], messages[0]
         if case == "misshapen":
             assert "model.safetensors" in messages[0] and "[24, 31]" in messages[0] and "[24, 32]" in messages[0]
+
+
+def test_under_torchrun(checkpoints):
+    """from_pretrained joins the process group torchrun describes (no harness), and generates the same tokens."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = checkpoints("deepseek_v3")
+    script = Path(__file__).with_name("torchrun_generate.py")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--standalone", str(script), str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("TOKENS"))
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
+    expected = ref.generate(torch.arange(1, 9).unsqueeze(0), max_new_tokens=16, do_sample=False)[0].tolist()
+    assert line == f"TOKENS 2 {expected}"
