@@ -2,6 +2,7 @@
 
 from .experts import ExpertActivation, GroupedExperts
 from .grouped_mm import grouped_mm
+from .install import install, uninstall
 from .loading import LoadReport, load_checkpoint
 from .plans import apply_plan, tp_plan
 from .pretrained import from_pretrained
@@ -17,7 +18,9 @@ __all__ = [
     "apply_plan",
     "from_pretrained",
     "grouped_mm",
+    "install",
     "load_checkpoint",
     "tp_plan",
+    "uninstall",
 ]
 __version__ = "0.1.0"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
@@ -21,6 +22,7 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     parallelize_module,
 )
+from transformers import PretrainedConfig
 
 from .experts import GroupedExperts
 from .styles import LocalParams, NoParallel, TensorParallel
@@ -34,16 +36,29 @@ HF_STYLES = {
     "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
     "replicated_with_grad_allreduce": lambda: LocalParams(),
 }
+# Our styles by name, so plans can be written as strings too (and registered in transformers' ParallelInterface).
+STYLE_NAMES = {
+    "hf_moe_tp_experts": lambda: TensorParallel(),
+    "hf_moe_tp_router": lambda: NoParallel(),
+    "hf_moe_tp_replicated": lambda: LocalParams(sum_grads=False),
+    "hf_moe_tp_local_sum_grads": lambda: LocalParams(),
+}
 ROUTER_NAMES = ("gate", "router")
 
 
-def tp_plan(model: nn.Module, tp_size: int | None = None) -> dict[str, ParallelStyle]:
-    """The default plan for ``model`` (with GroupedExperts already swapped in): module name -> style.
+def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None) -> dict[str, ParallelStyle]:
+    """The default plan for ``model`` (with GroupedExperts swapped in), or for the causal-LM model that
+    ``config`` describes: module name -> style.
 
-    ``tp_size`` decides which of transformers' entries can be kept: a linear layer is split only when the
-    split size divides (heads for attention, features for MLPs, the vocabulary for embeddings); otherwise it
-    stays replicated. Tied input/output embeddings stay replicated.
+    ``tp_size`` (default: the world size when a process group exists) decides which of transformers' entries
+    can be kept: a linear layer is split only when the split size divides (heads for attention, features for
+    MLPs, the vocabulary for embeddings); otherwise it stays replicated. Tied input/output embeddings stay
+    replicated.
     """
+    if isinstance(model, PretrainedConfig):
+        model = meta_model(model)
+    if tp_size is None and torch.distributed.is_initialized():
+        tp_size = torch.distributed.get_world_size()
     modules = dict(model.named_modules())
     plan: dict[str, ParallelStyle] = {}
     config = getattr(model, "config", None)
@@ -72,9 +87,41 @@ def tp_plan(model: nn.Module, tp_size: int | None = None) -> dict[str, ParallelS
     return plan
 
 
-def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> nn.Module:
-    """Apply ``plan`` (names or ``*`` patterns -> styles), then replicate every parameter left as a plain tensor."""
-    parallelize_module(model, mesh, plan)
+def meta_model(config: PretrainedConfig, model_class: type | None = None, dtype: torch.dtype | None = None
+               ) -> nn.Module:
+    """The model ``config`` describes, on the meta device (buffers real), with GroupedExperts swapped in."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from model_patches import adapter_for
+
+    cls = model_class or AutoModelForCausalLM
+    with init_empty_weights(include_buffers=False):
+        kwargs = {"dtype": dtype} if dtype is not None else {}
+        model = cls.from_config(config, **kwargs) if hasattr(cls, "from_config") else cls._from_config(config, **kwargs)
+    model.tie_weights()  # transformers ties after loading; the plan needs the ties now
+    adapter_for(model).swap_experts(model)
+    return model
+
+
+def resolve_plan(plan: dict[str, ParallelStyle | str]) -> dict[str, ParallelStyle]:
+    """Plan values given as names (ours or transformers') turned into styles."""
+    out = {}
+    for name, style in plan.items():
+        if isinstance(style, str):
+            factory = STYLE_NAMES.get(style) or HF_STYLES.get(style)
+            if factory is None:
+                raise ValueError(f"unknown parallel style {style!r} for {name!r}; known: "
+                                 f"{sorted(STYLE_NAMES) + sorted(HF_STYLES)}")
+            style = factory()
+        out[name] = style
+    return out
+
+
+def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle | str]) -> nn.Module:
+    """Apply ``plan`` (names or ``*`` patterns -> styles or style names), then replicate every parameter left
+    as a plain tensor."""
+    parallelize_module(model, mesh, resolve_plan(plan))
     leftovers = {}
     for name, module in model.named_modules():
         if any(not _is_dtensor(p) for p in module.parameters(recurse=False)):

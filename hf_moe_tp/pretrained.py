@@ -8,13 +8,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from accelerate import init_empty_weights
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ParallelStyle
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
-
-from model_patches import adapter_for
+from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 
 from . import plans
 from .loading import load_checkpoint
@@ -43,13 +40,8 @@ def from_pretrained(
     path = _local_dir(path)
     mesh = resolve_mesh(device_mesh)
     config = AutoConfig.from_pretrained(path)
-    cls = model_class or AutoModelForCausalLM
-    with init_empty_weights(include_buffers=False):
-        model = cls.from_config(config, dtype=dtype) if hasattr(cls, "from_config") else cls._from_config(
-            config, dtype=dtype)
-    model.tie_weights()  # transformers ties after loading; we need the ties before the plan
-    model.hf_moe_tp_adapter = adapter_for(model)
-    model.hf_moe_tp_adapter.swap_experts(model)
+    model = plans.meta_model(config, model_class, dtype)
+    _buffers_to(model, _mesh_device(mesh))  # the loader allocates parameters where the buffers are
     plan = _plan(model, tp_plan, mesh)
     plans.apply_plan(model, mesh, plan)
     model.hf_moe_tp_plan = plan
@@ -65,7 +57,7 @@ def _plan(model: nn.Module, plan, mesh: DeviceMesh) -> dict[str, ParallelStyle]:
     if plan is None:
         return {}
     if isinstance(plan, dict):
-        return plan
+        return plans.resolve_plan(plan)
     raise ValueError(f"tp_plan must be 'auto', None or a dict of module names to styles, got {plan!r}")
 
 
@@ -95,6 +87,19 @@ def init_process_group(timeout_s: float = 600.0) -> None:
         return
     store = dist.HashStore()
     dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None and b.device != device:
+                module._buffers[name] = b.to(device)
 
 
 def _local_dir(path: str | os.PathLike) -> Path:

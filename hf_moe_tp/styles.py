@@ -58,6 +58,10 @@ class TensorParallel(ParallelStyle):
         self.output_layout = output_layout or Replicate()
         self.use_local_output = use_local_output
 
+    def __repr__(self) -> str:
+        return (f"TensorParallel(input_layouts={self.input_layouts}, output_layout={self.output_layout}, "
+                f"use_local_output={self.use_local_output})")
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_mesh(device_mesh, self)
         distribute_params(module, device_mesh, EXPERT_PLACEMENTS, self.src_data_rank)
@@ -96,6 +100,10 @@ class NoParallel(ParallelStyle):
         self.output_layout = output_layout or Replicate()
         self.use_local_output = use_local_output
 
+    def __repr__(self) -> str:
+        return (f"NoParallel(input_layout={self.input_layout}, output_layout={self.output_layout}, "
+                f"use_local_output={self.use_local_output})")
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_mesh(device_mesh, self)
         distribute_params(module, device_mesh, {}, self.src_data_rank, buffers=True)
@@ -125,6 +133,9 @@ class LocalParams(ParallelStyle):
         super().__init__()
         self.placements = placements or {}
         self.sum_grads = sum_grads
+
+    def __repr__(self) -> str:
+        return f"LocalParams(placements={self.placements}, sum_grads={self.sum_grads})"
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_mesh(device_mesh, self)

@@ -1,0 +1,106 @@
+"""Make transformers' own ``from_pretrained(tp_plan=...)`` load MoE models the hf_moe_tp way.
+
+After :func:`install`, ``AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")`` and
+``from_pretrained(path, distributed_config=DistributedConfig(tp_plan=hf_moe_tp.tp_plan(config)))`` return the
+model :func:`hf_moe_tp.from_pretrained` returns: GroupedExperts with our styles, each rank reading its slices.
+
+Why a patch: transformers' TP loader shards each checkpoint tensor with its own (non-torch) styles into its
+own expert modules; there is no hook to hand it a different module layout. So the one patch here wraps
+``PreTrainedModel.from_pretrained``: a call with a TP plan on an MoE config goes to hf_moe_tp, every other
+call is untouched. Our style names are registered in transformers' public ``ParallelInterface`` so plans that
+name them validate there; transformers itself never applies them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from transformers import PreTrainedModel
+from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+from .plans import STYLE_NAMES
+
+_original = None  # PreTrainedModel.from_pretrained's function while installed
+
+# Config attributes that give an MoE model's expert count, across families.
+EXPERT_COUNT_ATTRIBUTES = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def install() -> None:
+    """Route transformers' tensor-parallel ``from_pretrained`` of MoE models through hf_moe_tp (idempotent)."""
+    global _original
+    if _original is not None:
+        return
+    _original = PreTrainedModel.from_pretrained.__func__
+    PreTrainedModel.from_pretrained = classmethod(_wrap(_original))
+    for name in STYLE_NAMES:
+        ALL_PARALLEL_STYLES.register(name, _AppliedByHfMoeTp(name))
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (idempotent)."""
+    global _original
+    if _original is None:
+        return
+    PreTrainedModel.from_pretrained = classmethod(_original)
+    _original = None
+    for name in STYLE_NAMES:
+        ALL_PARALLEL_STYLES._global_mapping.pop(name, None)
+
+
+def installed() -> bool:
+    return _original is not None
+
+
+def _wrap(original):
+    @functools.wraps(original)
+    def from_pretrained(cls, pretrained_model_name_or_path, *args: Any, **kwargs: Any):
+        plan = _requested_plan(kwargs)
+        if plan is None or args:
+            return original(cls, pretrained_model_name_or_path, *args, **kwargs)
+        from transformers import AutoConfig
+
+        config = kwargs.get("config")
+        if not hasattr(config, "model_type"):
+            config = AutoConfig.from_pretrained(pretrained_model_name_or_path)
+        if not is_moe(config):
+            return original(cls, pretrained_model_name_or_path, *args, **kwargs)
+        from .pretrained import from_pretrained as ours
+
+        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        return ours(pretrained_model_name_or_path, tp_plan=plan, device_mesh=kwargs.get("device_mesh"),
+                    dtype=None if dtype == "auto" else dtype, model_class=cls)
+
+    return from_pretrained
+
+
+def _requested_plan(kwargs: dict) -> Any:
+    """The TP plan a ``from_pretrained`` call asks for ("auto", a dict, or None for no TP)."""
+    if kwargs.get("tp_plan") is not None:
+        return kwargs["tp_plan"]
+    config = kwargs.get("distributed_config")
+    if config is None:
+        return None
+    if getattr(config, "tp_plan", None) is not None:
+        return config.tp_plan
+    return "auto" if (getattr(config, "tp_size", None) or 1) > 1 else None
+
+
+def is_moe(config) -> bool:
+    """Whether ``config`` (or its text config) describes a model with routed experts."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    return any((getattr(c, a, 0) or 0) > 1 for c in (config, text) for a in EXPERT_COUNT_ATTRIBUTES)
+
+
+class _AppliedByHfMoeTp:
+    """Registry entry for our style names: applying them is hf_moe_tp's job, never transformers'."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getattr__(self, attr: str):
+        raise RuntimeError(
+            f"the parallel style {self.name!r} is applied by hf_moe_tp.from_pretrained; call hf_moe_tp.install() "
+            "before transformers' from_pretrained, or call hf_moe_tp.from_pretrained directly"
+        )

@@ -1,0 +1,147 @@
+"""The ways users reach the library: transformers' from_pretrained, their own device meshes, accelerate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from families import save_family
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.distributed import DistributedConfig
+
+import hf_moe_tp
+from hf_moe_tp import GroupedExperts
+
+FP32_TOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    return save_family("mixtral", tmp_path_factory.mktemp("ckpt"), uneven=True)
+
+
+def _ids(vocab: int, batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, 10), generator=torch.Generator().manual_seed(3))
+
+
+def _via_transformers(path: str):
+    """install(); transformers' from_pretrained with tp_plan="auto" and with a DistributedConfig gives our model."""
+    original = PreTrainedModel.from_pretrained.__func__
+    hf_moe_tp.install()
+    hf_moe_tp.install()  # idempotent
+    try:
+        auto = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
+        config = AutoConfig.from_pretrained(path)
+        plan = hf_moe_tp.tp_plan(config)
+        dist_config = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_plan=plan))
+    finally:
+        hf_moe_tp.uninstall()
+    restored = PreTrainedModel.from_pretrained.__func__ is original
+    ours = hf_moe_tp.from_pretrained(path)
+    ids = _ids(ours.config.vocab_size)
+    with torch.no_grad():
+        logits = {name: m(ids).logits for name, m in (("auto", auto), ("dist_config", dist_config), ("ours", ours))}
+    experts = {name: type(m.model.layers[0].mlp.experts).__name__ for name, m in (("auto", auto),
+                                                                                 ("dist_config", dist_config))}
+    placements = {name: m.model.layers[0].mlp.experts.w1.placements for name, m in (("auto", auto),
+                                                                                   ("dist_config", dist_config))}
+    plain = AutoModelForCausalLM.from_pretrained(path)  # uninstalled: transformers' own, unsharded
+    return {
+        "restored": restored,
+        "experts": experts,
+        "placements": placements,
+        "read_reports": [hasattr(m, "hf_moe_tp_load") for m in (auto, dist_config)],
+        "auto_vs_ours": (logits["auto"] - logits["ours"]).abs().max().item(),
+        "dist_config_vs_ours": (logits["dist_config"] - logits["ours"]).abs().max().item(),
+        "plain_is_transformers": not any(isinstance(m, GroupedExperts) for m in plain.modules()),
+        "plan_names": sorted({type(s).__name__ for s in plan.values()}),
+    }
+
+
+def test_transformers_from_pretrained_after_install(ranks, mixtral):
+    for r in ranks(2).run(_via_transformers, str(mixtral)):
+        assert r["restored"] and r["plain_is_transformers"]
+        assert r["experts"] == {"auto": "GroupedExperts", "dist_config": "GroupedExperts"}
+        assert all(p == (Shard(2),) for p in r["placements"].values())
+        assert r["read_reports"] == [True, True]
+        assert r["auto_vs_ours"] == 0.0 and r["dist_config_vs_ours"] == 0.0
+        assert "TensorParallel" in r["plan_names"] and "NoParallel" in r["plan_names"]
+
+
+def _dp_tp_training_step(path: str):
+    """A 2-D (dp=2, tp=2) mesh: TP inside each replica, gradients averaged over dp; the step equals one
+    process on the whole batch."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = hf_moe_tp.from_pretrained(path, device_mesh=mesh).train()
+    on_tp = all(isinstance(p, DTensor) and p.device_mesh == mesh["tp"] for p in model.parameters())
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train()
+    ids = _ids(model.config.vocab_size, batch=4)
+    dp = mesh.get_local_rank("dp")
+    local_ids = ids[2 * dp: 2 * dp + 2]
+
+    loss = model(local_ids, labels=local_ids).loss
+    loss.backward()
+    group = mesh.get_group("dp")
+    for p in model.parameters():  # data parallel: average the local gradient shards over the replicas
+        g = p.grad.to_local()
+        dist.all_reduce(g, group=group)
+        g /= 2
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+    # reference: mean of the two replicas' losses, i.e. each half-batch's loss averaged
+    ref_loss = (ref(ids[:2], labels=ids[:2]).loss + ref(ids[2:], labels=ids[2:]).loss) / 2
+    ref_loss.backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        after = (model(ids).logits - ref(ids).logits).abs().max().item()
+    return {"on_tp": on_tp, "tp_size": mesh["tp"].size(), "after_step": after}
+
+
+def test_user_2d_mesh_dp_tp(ranks, mixtral):
+    for r in ranks(4).run(_dp_tp_training_step, str(mixtral)):
+        assert r["on_tp"] and r["tp_size"] == 2
+        assert r["after_step"] <= FP32_TOL, r["after_step"]
+
+
+def _accelerate_mesh(path: str):
+    """The mesh accelerate's ParallelismConfig(tp_size=2) builds works with from_pretrained."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    mesh = ParallelismConfig(tp_size=2).build_device_mesh("cpu")
+    model = hf_moe_tp.from_pretrained(path, device_mesh=mesh)
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
+    ids = _ids(model.config.vocab_size)
+    with torch.no_grad():
+        diff = (model(ids).logits - ref(ids).logits).abs().max().item()
+    w1 = model.model.layers[0].mlp.experts.w1
+    return {"names": mesh.mesh_dim_names, "diff": diff, "placements": w1.placements, "mesh_size": w1.device_mesh.size()}
+
+
+def test_accelerate_parallelism_config_mesh(ranks, mixtral):
+    for r in ranks(2).run(_accelerate_mesh, str(mixtral)):
+        assert r["diff"] <= FP32_TOL and r["placements"] == (Shard(2),) and r["mesh_size"] == 2, r
+
+
+def test_accelerate_launch(mixtral):
+    """The example runs under `accelerate launch --multi_gpu --num_processes 2` (MULTI_CPU, gloo)."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).parents[1] / "examples" / "accelerate_tp.py"
+    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                           "--main_process_port", str(port), str(script), str(mixtral)],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("TOKENS"))
+    ref = AutoModelForCausalLM.from_pretrained(mixtral, experts_implementation="eager").eval()
+    expected = ref.generate(torch.arange(1, 9).unsqueeze(0), max_new_tokens=16, do_sample=False)[0].tolist()
+    assert line == f"TOKENS 2 {expected}"
