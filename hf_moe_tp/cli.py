@@ -1,8 +1,10 @@
-"""The ``hf-moe-tp`` command."""
+"""The ``hf-moe-tp`` command: ``demo``, ``inspect PATH``, ``generate PATH``."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Sequence
 
 
@@ -11,24 +13,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="hf-moe-tp",
         description="Run Hugging Face Mixture-of-Experts models tensor-parallel on PyTorch DTensors.",
+        epilog="Run 'hf-moe-tp COMMAND --help' for a command's options.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
     demo = commands.add_parser(
-        "demo",
-        help="shard a built-in Mixtral MoE layer over local ranks and check it against one process",
-        description="Start --tp local ranks (gloo, CPU), shard a built-in Mixtral MoE layer over them, run "
-        "forward and backward, and compare with transformers' unsharded layer. Needs no download.",
-    )
+        "demo", help="load a built-in Mixtral checkpoint on local ranks and check it against one process",
+        description="Make the built-in Mixtral-format checkpoint (no download; cached in $HF_MOE_TP_CACHE or "
+        "~/.cache/hf_moe_tp), start --tp local ranks (gloo, CPU), load it tensor-parallel, generate, and compare "
+        "logits and tokens with transformers in one process. Prints per-rank time and memory.")
     demo.add_argument("--tp", type=int, default=2, help="number of local ranks (default 2)")
-    demo.add_argument("--tokens", type=int, default=512, help="tokens in the batch (default 512)")
+    demo.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (default 16)")
+
+    inspect = commands.add_parser(
+        "inspect", help="show family, adapter, plan and per-rank bytes of a checkpoint, reading no weights",
+        description="Read a checkpoint's config and safetensors headers (no weights), build the model on the meta "
+        "device and apply the tensor-parallel plan for --tp ranks; print the detected family and adapter, the "
+        "resolved plan and the bytes each rank would hold.")
+    inspect.add_argument("path", help="checkpoint folder (config.json + safetensors)")
+    inspect.add_argument("--tp", type=int, default=2, help="tensor-parallel size to plan for (default 2)")
+
+    generate = commands.add_parser(
+        "generate", help="generate greedily from a checkpoint, tensor-parallel",
+        description="Load PATH tensor-parallel and generate greedily. Under torchrun (or accelerate launch) it "
+        "uses the ranks it is given; otherwise it starts --tp local ranks itself.")
+    generate.add_argument("path", help="checkpoint folder")
+    generate.add_argument("--tp", type=int, default=2, help="local ranks to start when not under torchrun")
+    generate.add_argument("--prompt", help="text prompt (needs a tokenizer in PATH)")
+    generate.add_argument("--ids", type=int, nargs="+", help="prompt token ids (default: 1..8)")
+    generate.add_argument("--max-new-tokens", type=int, default=16)
+    generate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     args = parser.parse_args(argv)
 
     if args.command == "demo":
         from .demo import run_demo
 
-        run_demo(tp=args.tp, tokens=args.tokens)
+        return run_demo(tp=args.tp, max_new_tokens=args.max_new_tokens)
+    if args.command == "inspect":
+        from .inspection import inspect_checkpoint, print_inspection
+
+        print_inspection(inspect_checkpoint(args.path, args.tp), args.tp)
+        return 0
+    from .generation import generate_on_ranks, generate_rank
+
+    request = (args.path, args.prompt, args.ids, args.max_new_tokens, args.dtype)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        text = generate_rank(*request)
+        if text is not None:
+            print(text)
+        return 0
+    print(generate_on_ranks(args.tp, *request))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

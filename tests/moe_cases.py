@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import MixtralConfig
-from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralSparseMoeBlock
 
 from hf_moe_tp import ExpertActivation, GroupedExperts
 
@@ -59,3 +61,30 @@ def reference(m: GroupedExperts, x: torch.Tensor, index: torch.Tensor, weights: 
         out.index_add_(0, tok, (y * weights[tok, slot, None]).float())
     return out.to(x.dtype)
 
+
+
+def mixtral_block(dim: int, hidden: int, experts: int, top_k: int, seed: int) -> MixtralSparseMoeBlock:
+    """transformers' Mixtral MoE block with seeded N(0, 1/fan_in) weights and its eager experts."""
+    config = MixtralConfig(hidden_size=dim, intermediate_size=hidden, num_local_experts=experts,
+                           num_experts_per_tok=top_k)
+    config._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    block = MixtralSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, p.shape[-1] ** -0.5)
+    return block
+
+
+def swap_in_grouped_experts(block: MixtralSparseMoeBlock) -> MixtralSparseMoeBlock:
+    """A copy of ``block`` with its experts as GroupedExperts (gate_up (E, 2I, H) -> w1/w3 (E, H, I))."""
+    block = copy.deepcopy(block)
+    hf = block.experts
+    hidden = hf.intermediate_dim
+    ours = GroupedExperts(hf.num_experts, hf.hidden_dim, hidden, device="meta")
+    gate_up = hf.gate_up_proj.detach().transpose(1, 2)
+    ours.w1 = torch.nn.Parameter(gate_up[..., :hidden].contiguous())
+    ours.w3 = torch.nn.Parameter(gate_up[..., hidden:].contiguous())
+    ours.w2 = torch.nn.Parameter(hf.down_proj.detach().transpose(1, 2).contiguous())
+    block.experts = ours
+    return block

@@ -1,21 +1,71 @@
-"""The README's main job, run as a user would: the `hf-moe-tp` console script."""
+"""The `hf-moe-tp` command, run as a user would."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
+import pytest
+import torch
+from families import save_family
+from transformers import AutoModelForCausalLM
 
-def test_demo_runs_and_matches():
-    done = subprocess.run([sys.executable, "-m", "hf_moe_tp.cli", "demo", "--tokens", "64"],
-                          capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stdout + done.stderr
+CLI = [sys.executable, "-m", "hf_moe_tp.cli"]
+
+
+def run(*args: str, timeout: int = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    done = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    return save_family("deepseek_v3", tmp_path_factory.mktemp("ckpt"))
+
+
+def expected_tokens(path, ids: list[int], n: int = 16) -> list[int]:
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
+    return ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+
+
+def test_demo(tmp_path):
+    """The README's main job: makes the built-in checkpoint in the cache, loads it on 2 ranks, checks it."""
+    import os
+
+    done = run(*CLI, "demo", "--max-new-tokens", "8", env={**os.environ, "HF_MOE_TP_CACHE": str(tmp_path)})
     lines = done.stdout.splitlines()
-    assert lines[-1].startswith("OK: every rank matches one process")
-    assert sum(line.split()[0] in ("0", "1") for line in lines if line.strip()) == 2  # one row per rank
+    assert (tmp_path / "demo-mixtral" / "config.json").is_file()
+    assert lines[-1].startswith("OK: every rank matches transformers in one process")
+    rows = [line.split() for line in lines if re.match(r"\s+[01]\s", line)]
+    assert len(rows) == 2 and all(row[-1] == "same" for row in rows)
 
 
-def test_help_lists_demo():
-    done = subprocess.run([sys.executable, "-m", "hf_moe_tp.cli", "--help"], capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0 and "demo" in done.stdout
+def test_inspect_reads_no_weights(deepseek):
+    done = run(*CLI, "inspect", str(deepseek), "--tp", "2")
+    out = done.stdout
+    assert "family: deepseek_v3" in out and "adapter: generic" in out and "per-expert keys on disk" in out
+    assert re.search(r"model\.layers\.\*\.mlp\.experts\s+TensorParallel\(\)", out)
+    assert re.search(r"model\.layers\.\*\.mlp\.gate\s+NoParallel\(\)", out)
+    assert re.search(r"rank 0: .* MiB \(0\.\d\d of the model\)", out) and "rank 1:" in out
+
+
+def test_generate_starts_its_own_ranks(deepseek):
+    done = run(*CLI, "generate", str(deepseek), "--tp", "2", "--ids", "5", "6", "7")
+    assert done.stdout.strip().splitlines()[-1] == f"generated ids: {expected_tokens(deepseek, [5, 6, 7])}"
+
+
+def test_generate_under_torchrun(deepseek):
+    """Under torchrun it joins the process group torchrun describes instead of starting ranks."""
+    done = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "hf_moe_tp.cli", "generate", str(deepseek), "--ids", "1", "2", "3", "4")
+    lines = [x for x in done.stdout.splitlines() if x.startswith("generated ids")]
+    assert lines == [f"generated ids: {expected_tokens(deepseek, [1, 2, 3, 4])}"]  # rank 0 prints, once
+
+
+def test_help_reads_well():
+    out = run(*CLI, "--help", timeout=60).stdout
+    for command in ("demo", "inspect", "generate"):
+        assert command in out
+    assert "--tp" in run(*CLI, "generate", "--help", timeout=60).stdout

@@ -245,20 +245,3 @@ def test_missing_and_misshapen_tensors_are_named(ranks, checkpoints, tmp_path):
         if case == "misshapen":
             assert "model.safetensors" in messages[0] and "[24, 31]" in messages[0] and "[24, 32]" in messages[0]
 
-
-def test_under_torchrun(checkpoints):
-    """from_pretrained joins the process group torchrun describes (no harness), and generates the same tokens."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    path = checkpoints("deepseek_v3")
-    script = Path(__file__).with_name("torchrun_generate.py")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--standalone", str(script), str(path)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("TOKENS"))
-    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
-    expected = ref.generate(torch.arange(1, 9).unsqueeze(0), max_new_tokens=16, do_sample=False)[0].tolist()
-    assert line == f"TOKENS 2 {expected}"

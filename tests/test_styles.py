@@ -7,14 +7,13 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from moe_cases import grouped_experts, routing
+from moe_cases import grouped_experts, mixtral_block, routing, swap_in_grouped_experts
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 
 from hf_moe_tp import ExpertActivation, NoParallel, TensorParallel
-from hf_moe_tp.demo import mixtral_block, swap_in_grouped_experts
 
 TOKENS, EXPERTS, DIM, TOP_K = 48, 8, 32, 2
 FP32_TOL = 1e-5

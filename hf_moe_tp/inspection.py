@@ -1,0 +1,125 @@
+"""``hf-moe-tp inspect``: what a checkpoint would become at a given TP size, without reading any weight.
+
+The model is built on the meta device and the plan applied on a fake process group of ``tp`` ranks (torch's
+own testing backend: no communication, no processes), so placements come from the real styles. Per-rank bytes
+follow from the placements with torch's sharding arithmetic.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from transformers import AutoConfig
+
+from model_patches import adapter_for
+
+from . import plans
+from .checkpoint import Checkpoint
+
+
+@dataclass
+class Inspection:
+    family: str
+    adapter: str
+    expert_modules: int
+    expert_format: str
+    plan: dict[str, str]
+    rank_bytes: list[int]
+    total_bytes: int
+    checkpoint_bytes: int
+
+
+def inspect_checkpoint(path: str | Path, tp: int) -> Inspection:
+    """Family, adapter, resolved plan and per-rank parameter bytes of ``path`` at TP=``tp`` (headers only)."""
+    if dist.is_initialized():
+        raise RuntimeError("inspect runs outside a process group (it starts a fake one of the requested size)")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    path = Path(path)
+    ckpt = Checkpoint(path)  # headers only
+    config = AutoConfig.from_pretrained(path)
+    dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (tp,))
+        model = plans.meta_model(config)
+        plan = plans.tp_plan(model, tp)
+        plans.apply_plan(model, mesh, plan)
+        rank_bytes = [0] * tp
+        total = 0
+        for p in {id(p): p for p in model.parameters()}.values():
+            total += p.numel() * p.element_size()
+            for rank in range(tp):
+                rank_bytes[rank] += _local_numel(p, mesh, rank) * p.element_size()
+    finally:
+        dist.destroy_process_group()
+    experts = [m for m in model.modules() if hasattr(m, "checkpoint_layout")]
+    per_expert = any(".experts.0." in k for k in ckpt.keys())
+    return Inspection(
+        family=config.model_type,
+        adapter=adapter_for(model).name,
+        expert_modules=len(experts),
+        expert_format="per-expert keys" if per_expert else "packed 3-D tensors",
+        plan=_summarise(plan),
+        rank_bytes=rank_bytes,
+        total_bytes=total,
+        checkpoint_bytes=sum(f.stat().st_size for f in {i.file for i in ckpt.tensors.values()}),
+    )
+
+
+def _local_numel(p: torch.Tensor, mesh, rank: int) -> int:
+    """Elements rank ``rank`` of the 1-D mesh holds, by torch's own sharding arithmetic."""
+    if not isinstance(p, DTensor):
+        return p.numel()
+    shape = list(p.shape)
+    for placement in p.placements:
+        if isinstance(placement, Shard):
+            shape[placement.dim] = Shard.local_shard_size_and_offset(shape[placement.dim], mesh.size(), rank)[0]
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _summarise(plan: dict) -> dict[str, str]:
+    """Group concrete module names by their pattern (layer numbers -> ``*``)."""
+    grouped: dict[str, Counter] = {}
+    for name, style in plan.items():
+        grouped.setdefault(re.sub(r"\.\d+(\.|$)", r".*\1", name), Counter())[style_label(style)] += 1
+    return {pattern: ", ".join(s for s in styles) for pattern, styles in grouped.items()}
+
+
+def style_label(style) -> str:
+    """A short label: the class and the layouts that differ from its defaults."""
+    name = type(style).__name__
+    parts = []
+    for attr, short in (("input_layouts", "in"), ("output_layouts", "out"), ("output_layout", "out")):
+        value = getattr(style, attr, None)
+        default = getattr(type(style)(), attr, None)
+        if value is not None and value != default:
+            parts.append(f"{short}={value}")
+    if getattr(style, "placements", None):
+        parts.append(", ".join(f"{k}={v}" for k, v in style.placements.items()))
+    if name == "LocalParams" and style.sum_grads:
+        parts.append("sum_grads")
+    return f"{name}({', '.join(parts)})"
+
+
+def print_inspection(report: Inspection, tp: int) -> None:
+    print(f"family: {report.family}   adapter: {report.adapter}   expert modules: {report.expert_modules} "
+          f"({report.expert_format} on disk)")
+    print(f"plan at TP={tp}:")
+    width = max(len(k) for k in report.plan) if report.plan else 0
+    for pattern, style in report.plan.items():
+        print(f"  {pattern:<{width}}  {style}")
+    print("  every other parameter: replicated DTensor (LocalParams)")
+    print(f"parameters: {report.total_bytes / 2**20:.1f} MiB in all; "
+          f"checkpoint files {report.checkpoint_bytes / 2**20:.1f} MiB")
+    for rank, b in enumerate(report.rank_bytes):
+        print(f"  rank {rank}: {b / 2**20:.1f} MiB ({b / report.total_bytes:.2f} of the model)")
