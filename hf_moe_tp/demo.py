@@ -57,6 +57,7 @@ class RankResult:
     read_mib: float
     tokens: list[int]
     logits: torch.Tensor
+    shards: list[tuple[str, str, tuple[int, ...], tuple[tuple[int, int], ...]]]  # name, placement, local shape, box
 
 
 def demo_rank(path: str, max_new_tokens: int) -> RankResult:
@@ -82,7 +83,20 @@ def demo_rank(path: str, max_new_tokens: int) -> RankResult:
         read_mib=model.hf_moe_tp_load.bytes_read / 2**20,
         tokens=tokens,
         logits=logits,
+        shards=shard_table(model),
     )
+
+
+def shard_table(model: torch.nn.Module) -> list[tuple[str, str, tuple[int, ...], tuple[tuple[int, int], ...]]]:
+    """For every parameter: its name, placement, this rank's local shape and the box of the full tensor it holds."""
+    from .loading import local_box
+
+    rows = []
+    for name, p in model.named_parameters():
+        placement = ", ".join(repr(x) for x in p.placements) if hasattr(p, "placements") else "plain"
+        local = p.to_local() if hasattr(p, "to_local") else p
+        rows.append((name, placement, tuple(local.shape), local_box(p)))
+    return rows
 
 
 def run_demo(tp: int = 2, max_new_tokens: int = 16, path: Path | None = None, tolerance: float = 2e-5) -> int:
