@@ -10,6 +10,7 @@ rank, so a bad checkpoint raises everywhere instead of leaving ranks waiting.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,6 +30,9 @@ from model_patches.base import per_expert_names_from_conversions
 from .checkpoint import Checkpoint, CheckpointError
 from .experts import GroupedExperts
 from .sources import Box, Request, Source, identity
+
+# safetensors dtypes a floating parameter may be filled from (cast while copying)
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +55,15 @@ def load_checkpoint(
     threads: int = 4,
     record_reads: bool = False,
     progress: bool | None = None,
+    strict: bool = True,
 ) -> LoadReport:
     """Fill ``model``'s parameters (plain, meta or DTensor) and persistent buffers from the checkpoint at ``path``.
 
     Parameters on the meta device are allocated (their local shard only) on ``model``'s buffer device or CPU.
-    Missing parameters and shape mismatches raise :class:`CheckpointError` naming file, key and shapes;
-    checkpoint keys nothing uses are listed in the report. Tied weights are re-tied afterwards.
+    Missing parameters, shape mismatches, uncastable dtypes and (with ``strict``) checkpoint tensors the model
+    does not use raise :class:`CheckpointError` naming file, key and shapes, before anything is read; keys the
+    model declares ignorable (transformers' ``_keys_to_ignore_on_load_unexpected``) are only reported. Tied
+    weights are re-tied afterwards.
     """
     start = time.perf_counter()
     ckpt = Checkpoint(Path(path), record=record_reads)
@@ -66,6 +73,15 @@ def load_checkpoint(
         targets = _targets(model)
         sources = _sources(model, targets, shapes)
         _check(targets, sources, shapes, to_ckpt, ckpt)
+        used = {to_ckpt[s.key] for name in targets for s in sources[name]}
+        unexpected = sorted(set(ckpt.keys()) - used)
+        ignorable = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+        surprising = [k for k in unexpected if not any(p.search(k) for p in ignorable)]
+        if surprising and strict:
+            shown = ", ".join(f"{k} (in {ckpt.tensors[k].file.name})" for k in surprising[:5])
+            more = f" and {len(surprising) - 5} more" if len(surprising) > 5 else ""
+            raise CheckpointError(f"{path}: {len(surprising)} checkpoint tensors match no parameter of "
+                                  f"{type(model).__name__}: {shown}{more} (strict=False to load anyway)")
         device = _device(model)
         owners = _owners(model)
         jobs: list[tuple[Request, torch.Tensor]] = []
@@ -96,8 +112,6 @@ def load_checkpoint(
                 pass
         if hasattr(model, "tie_weights"):
             model.tie_weights()
-        used = {to_ckpt[s.key] for name in targets for s in sources[name]}
-        unexpected = sorted(set(ckpt.keys()) - used)
         if unexpected and _rank() == 0:
             shown = ", ".join(unexpected[:8]) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
             logger.warning("%s: %d checkpoint tensors are not used by the model: %s", path, len(unexpected), shown)
@@ -162,7 +176,10 @@ def _check(targets, sources, shapes, to_ckpt, ckpt: Checkpoint) -> None:
     missing = [n for n in targets if n not in sources]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise CheckpointError(f"{ckpt.path}: {len(missing)} parameters have no tensor in the checkpoint: {shown}")
+        hint = (" - most of the model is missing: is this checkpoint of the model config.json describes?"
+                if len(missing) > len(targets) / 2 else "")
+        raise CheckpointError(f"{ckpt.path}: {len(missing)} parameters have no tensor in the checkpoint: "
+                              f"{shown}{hint}")
     for name, srcs in sources.items():
         if name not in targets:
             continue
@@ -170,7 +187,11 @@ def _check(targets, sources, shapes, to_ckpt, ckpt: Checkpoint) -> None:
             if s.key not in shapes:
                 raise CheckpointError(f"{ckpt.path}: {name} needs checkpoint tensor {s.key}, which is missing")
             found = tuple(shapes[s.key])
-            file = ckpt.tensors[to_ckpt[s.key]].file
+            info = ckpt.tensors[to_ckpt[s.key]]
+            file = info.file
+            if targets[name].is_floating_point() and info.dtype not in FLOAT_DTYPES:
+                raise CheckpointError(f"{file}: tensor {to_ckpt[s.key]} is {info.dtype}, which cannot be cast to "
+                                      f"{name}'s {targets[name].dtype}")
             if found != tuple(s.shape):
                 raise CheckpointError(
                     f"{file}: tensor {to_ckpt[s.key]} has shape {list(found)}, but {name} of shape "

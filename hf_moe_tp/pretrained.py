@@ -36,19 +36,53 @@ def from_pretrained(
 
     Without a process group one is started from the torchrun environment, or as a world of one. A given
     ``device_mesh`` is used as it is (1-D) or through its ``"tp"`` dimension.
+
+    Failures never leave a rank waiting: whatever fails on any rank (a bad file, a read error on one rank, a
+    mesh that leaves this rank out), every rank raises :class:`LoadError` naming each failed rank's error.
     """
-    path = _local_dir(path)
-    mesh = resolve_mesh(device_mesh)
-    config = AutoConfig.from_pretrained(path)
-    model = plans.meta_model(config, model_class, dtype)
-    _buffers_to(model, _mesh_device(mesh))  # the loader allocates parameters where the buffers are
-    plan = _plan(model, tp_plan, mesh)
-    plans.apply_plan(model, mesh, plan)
-    model.hf_moe_tp_plan = plan
-    model.hf_moe_tp_load = load_checkpoint(model, path, threads=threads, record_reads=record_reads)
-    if (path / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(path)
+    if device_mesh is None:
+        init_process_group()
+    error: BaseException | None = None
+    model = None
+    try:
+        path = _local_dir(path)
+        mesh = resolve_mesh(device_mesh)
+        config = AutoConfig.from_pretrained(path)
+        model = plans.meta_model(config, model_class, dtype)
+        _buffers_to(model, _mesh_device(mesh))  # the loader allocates parameters where the buffers are
+        plan = _plan(model, tp_plan, mesh)
+        plans.apply_plan(model, mesh, plan)
+        model.hf_moe_tp_plan = plan
+        model.hf_moe_tp_load = load_checkpoint(model, path, threads=threads, record_reads=record_reads)
+        if (path / "generation_config.json").is_file():
+            model.generation_config = GenerationConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - every error is reported on every rank below
+        error = e
+    agree(error)
     return model.eval()
+
+
+class LoadError(RuntimeError):
+    """Loading failed on at least one rank; raised on every rank. ``failures`` maps rank -> message."""
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        self.failures = failures
+        lines = [f"loading failed on {len(failures)} rank(s):"] + [f"  rank {r}: {m}" for r, m in failures.items()]
+        super().__init__("\n".join(lines))
+
+
+def agree(error: BaseException | None) -> None:
+    """Exchange every rank's outcome; raise the same :class:`LoadError` on every rank if any rank failed."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    outcomes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, message)
+    failures = {rank: m for rank, m in enumerate(outcomes) if m is not None}
+    if failures:
+        raise LoadError(failures) from error
 
 
 def _plan(model: nn.Module, plan, mesh: DeviceMesh) -> dict[str, ParallelStyle]:
@@ -64,6 +98,12 @@ def _plan(model: nn.Module, plan, mesh: DeviceMesh) -> dict[str, ParallelStyle]:
 def resolve_mesh(device_mesh: DeviceMesh | None = None) -> DeviceMesh:
     """The 1-D tensor-parallel mesh: ``device_mesh`` itself, its ``"tp"`` dimension, or the whole world."""
     if device_mesh is not None:
+        ranks = device_mesh.mesh.flatten().tolist()
+        world = dist.get_world_size()
+        if device_mesh.get_coordinate() is None or sorted(ranks) != list(range(world)):
+            raise ValueError(f"device_mesh {tuple(device_mesh.shape)} over ranks {ranks} must cover the world of "
+                             f"{world} ranks exactly (rank {dist.get_rank()} is "
+                             f"{'in' if device_mesh.get_coordinate() is not None else 'not in'} it)")
         if device_mesh.ndim == 1:
             return device_mesh
         names = device_mesh.mesh_dim_names or ()

@@ -64,6 +64,10 @@ class TensorParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_mesh(device_mesh, self)
+        hidden = module.w1.shape[2]
+        if hidden < device_mesh.size():
+            raise ValueError(f"TensorParallel splits each expert's hidden size {hidden} over {device_mesh.size()} "
+                             f"ranks; it must be at least the TP size (use a smaller TP size)")
         distribute_params(module, device_mesh, EXPERT_PLACEMENTS, self.src_data_rank)
         _hook_inputs(module, lambda args: self._prepare_inputs(args, device_mesh))
         module.register_forward_hook(lambda mod, args, out: self._prepare_output(out, device_mesh))

@@ -217,7 +217,7 @@ def test_bf16(ranks, checkpoints, family):
 def _missing_tensor_error(path: str):
     try:
         hf_moe_tp.from_pretrained(path)
-    except hf_moe_tp.checkpoint.CheckpointError as e:
+    except hf_moe_tp.pretrained.LoadError as e:
         return str(e)
     return None
 
@@ -241,6 +241,7 @@ def test_missing_and_misshapen_tensors_are_named(ranks, checkpoints, tmp_path):
         save_file(state, bad / "model.safetensors", metadata={"format": "pt"})
         messages = ranks(2).run(_missing_tensor_error, str(bad))
         assert messages[0] == messages[1] and messages[0] is not None
+        assert "rank 0:" in messages[0] and "rank 1:" in messages[0]
         assert "model.layers.1.mlp.experts.2.w3.weight" in messages[0] or key in messages[0], messages[0]
         if case == "misshapen":
             assert "model.safetensors" in messages[0] and "[24, 31]" in messages[0] and "[24, 32]" in messages[0]
