@@ -72,11 +72,12 @@ def load_checkpoint(
         shapes = {name: ckpt.tensors[key].shape for name, key in to_ckpt.items()}
         targets = _targets(model)
         sources = _sources(model, targets, shapes)
-        _check(targets, sources, shapes, to_ckpt, ckpt)
-        used = {to_ckpt[s.key] for name in targets for s in sources[name]}
+        used = {to_ckpt[s.key] for name in targets for s in sources.get(name, []) if s.key in to_ckpt}
         unexpected = sorted(set(ckpt.keys()) - used)
         ignorable = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
         surprising = [k for k in unexpected if not any(p.search(k) for p in ignorable)]
+        model_type = getattr(getattr(model, "config", None), "model_type", "?")
+        _check(targets, sources, shapes, to_ckpt, ckpt, surprising, model_type)
         if surprising and strict:
             shown = ", ".join(f"{k} (in {ckpt.tensors[k].file.name})" for k in surprising[:5])
             more = f" and {len(surprising) - 5} more" if len(surprising) > 5 else ""
@@ -172,12 +173,14 @@ def _sources(model: nn.Module, targets: dict[str, torch.Tensor], shapes: dict[st
     return sources
 
 
-def _check(targets, sources, shapes, to_ckpt, ckpt: Checkpoint) -> None:
+def _check(targets, sources, shapes, to_ckpt, ckpt: Checkpoint, unexpected: list[str], model_type: str) -> None:
     missing = [n for n in targets if n not in sources]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        hint = (" - most of the model is missing: is this checkpoint of the model config.json describes?"
-                if len(missing) > len(targets) / 2 else "")
+        hint = ""
+        if unexpected:  # missing and surplus tensors together: most likely another model's checkpoint
+            hint = (f"; and {len(unexpected)} checkpoint tensors match no parameter (e.g. {unexpected[0]}): is this "
+                    f"a checkpoint of the model config.json describes (model_type {model_type!r})?")
         raise CheckpointError(f"{ckpt.path}: {len(missing)} parameters have no tensor in the checkpoint: "
                               f"{shown}{hint}")
     for name, srcs in sources.items():
