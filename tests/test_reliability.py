@@ -167,3 +167,19 @@ def test_deterministic_run_to_run(ranks, good):
     first = ranks(2).run(_logits_bits, str(good))
     second = ranks(2).run(_logits_bits, str(good))
     assert first == second and first[0] == first[1]
+
+
+def test_rank_killed_during_loading_under_torchrun(good):
+    """SIGKILL of rank 1 mid-load: torchrun's agent sees the dead worker and stops the survivors, so the job
+    exits non-zero within seconds (measured about 1 s), not after the process group's 30-minute timeout."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).with_name("torchrun_kill.py")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), str(good)], capture_output=True, text=True, timeout=180)
+    end = time.time()
+    killed = [float(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("KILLED")]
+    assert killed, done.stdout + done.stderr[-2000:]
+    assert done.returncode != 0 and "LOADED" not in done.stdout
+    assert end - killed[0] < 30, end - killed[0]
