@@ -1,12 +1,14 @@
-"""Load a Mixtral-shaped fp32 checkpoint (about 1.5 GB) with hf_moe_tp.from_pretrained at TP=2.
+"""Load a Mixtral-shaped fp32 checkpoint (about 1.5 GB) at TP=2: hf_moe_tp against transformers' native
+``tp_plan="auto"`` and torch DCP's ``HuggingFaceStorageReader``, in one run.
 
     python bench/load.py [--tp 2] [--repeats 5] [--dir ~/.cache/hf_moe_tp/bench-mixtral-1.5g]
 
 Makes the checkpoint once (hub per-expert format written by save_pretrained, several shard files with an
-index), then loads it ``--repeats`` times in fresh processes and prints, per rank, the median wall time,
-peak resident memory, and growth of private (anonymous) memory against the checkpoint's size. The page cache
-is warm after the first run. transformers' native ``tp_plan`` and torch DCP's HF reader come with the
-performance issue.
+index), then loads it ``--repeats`` times with each loader, every load in fresh processes, the loaders
+interleaved. Per rank it prints the median wall time, peak resident memory, growth of private (anonymous)
+memory against the checkpoint's size, and the ratios to the references. The page cache is warm after the
+first load. DCP reads the same per-rank boxes of the checkpoint's own tensors (expert weights split along
+their hidden size, attention by heads, embeddings by vocabulary) into DTensors: the speed of reading alone.
 """
 
 from __future__ import annotations
@@ -43,21 +45,79 @@ def anonymous_kib() -> int:
     return 0
 
 
-def load_rank(path: str) -> dict:
-    import hf_moe_tp
-
+def measure(load) -> dict:
     anon = anonymous_kib()
     start = time.perf_counter()
-    model = hf_moe_tp.from_pretrained(path)
-    wall = time.perf_counter() - start
-    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    local_bytes = load()
     return {
-        "wall_s": wall,
+        "wall_s": time.perf_counter() - start,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "anon_growth_mib": (anonymous_kib() - anon) / 1024,
-        "local_param_mib": local / 2**20,
-        "bytes_read_mib": model.hf_moe_tp_load.bytes_read / 2**20,
+        "local_param_mib": local_bytes / 2**20,
     }
+
+
+def load_hf_moe_tp(path: str) -> dict:
+    import hf_moe_tp
+
+    def load():
+        model = hf_moe_tp.from_pretrained(path)
+        return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+
+    return measure(load)
+
+
+def load_transformers(path: str) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    def load():
+        model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
+        return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                   for p in model.parameters())
+
+    return measure(load)
+
+
+def load_dcp(path: str) -> dict:
+    import json
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import empty as dtensor_empty
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    index = json.loads((Path(path) / "model.safetensors.index.json").read_text())["weight_map"]
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in set(index.values()):
+        with safe_open(Path(path) / file, "pt") as f:
+            shapes.update({k: f.get_slice(k).get_shape() for k in f.keys()})
+
+    def placement(key: str):
+        if key.endswith(("w1.weight", "w3.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight",
+                         "embed_tokens.weight", "lm_head.weight")):
+            return Shard(0)
+        if key.endswith(("w2.weight", "o_proj.weight")):
+            return Shard(1)
+        return Replicate()
+
+    def load():
+        state = {k: dtensor_empty(*shape, device_mesh=mesh, placements=[placement(k)]) for k, shape in shapes.items()}
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(path))
+        return sum(t.to_local().numel() * t.element_size() for t in state.values())
+
+    return measure(load)
+
+
+LOADERS = {
+    "hf_moe_tp": load_hf_moe_tp,
+    "transformers tp_plan=auto": load_transformers,
+    "torch DCP (HF reader)": load_dcp,
+}
 
 
 def main() -> None:
@@ -68,15 +128,23 @@ def main() -> None:
     args = p.parse_args()
     size = make_checkpoint(args.dir)
     print(f"checkpoint {args.dir}: {size / 2**30:.2f} GiB in {len(list(args.dir.glob('*.safetensors')))} files; "
-          f"TP={args.tp}; median of {args.repeats} loads, each in fresh processes")
-    runs = [run_on_ranks(load_rank, args.tp, str(args.dir), timeout=600) for _ in range(args.repeats)]
-    print(f"{'rank':>4} {'wall s':>7} {'peak RSS MiB':>13} {'private growth MiB':>19} {'of ckpt':>8} "
-          f"{'local params MiB':>17} {'read MiB':>9}")
-    for rank in range(args.tp):
-        med = {k: statistics.median(run[rank][k] for run in runs) for k in runs[0][rank]}
-        print(f"{rank:>4} {med['wall_s']:>7.2f} {med['peak_rss_mib']:>13.0f} {med['anon_growth_mib']:>19.0f} "
-              f"{med['anon_growth_mib'] * 2**20 / size:>8.2f} {med['local_param_mib']:>17.0f} "
-              f"{med['bytes_read_mib']:>9.0f}")
+          f"TP={args.tp}; median of {args.repeats} loads per loader, each in fresh processes, interleaved")
+    runs: dict[str, list[list[dict]]] = {name: [] for name in LOADERS}
+    for _ in range(args.repeats):
+        for name, fn in LOADERS.items():
+            runs[name].append(run_on_ranks(fn, args.tp, str(args.dir), timeout=900))
+    medians = {name: [{k: statistics.median(run[rank][k] for run in rs) for k in rs[0][rank]}
+                      for rank in range(args.tp)] for name, rs in runs.items()}
+    print(f"{'loader':<27} {'rank':>4} {'wall s':>7} {'peak RSS MiB':>13} {'private growth MiB':>19} "
+          f"{'of ckpt':>8} {'params MiB':>11}")
+    for name, ranks in medians.items():
+        for rank, m in enumerate(ranks):
+            print(f"{name:<27} {rank:>4} {m['wall_s']:>7.2f} {m['peak_rss_mib']:>13.0f} {m['anon_growth_mib']:>19.0f} "
+                  f"{m['anon_growth_mib'] * 2**20 / size:>8.2f} {m['local_param_mib']:>11.0f}")
+    ours = medians["hf_moe_tp"]
+    for ref in ("transformers tp_plan=auto", "torch DCP (HF reader)"):
+        ratios = [ours[r]["wall_s"] / medians[ref][r]["wall_s"] for r in range(args.tp)]
+        print(f"hf_moe_tp wall / {ref}: " + ", ".join(f"rank {r} {x:.2f}x" for r, x in enumerate(ratios)))
 
 
 if __name__ == "__main__":

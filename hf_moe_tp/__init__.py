@@ -6,6 +6,7 @@ from .install import install, uninstall
 from .loading import LoadReport, load_checkpoint
 from .plans import apply_plan, tp_plan
 from .pretrained import from_pretrained
+from .saving import save_pretrained
 from .styles import LocalParams, NoParallel, TensorParallel
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "grouped_mm",
     "install",
     "load_checkpoint",
+    "save_pretrained",
     "tp_plan",
     "uninstall",
 ]
