@@ -1,0 +1,132 @@
+"""Run the bench/load.py Mixtral-shaped model at TP=2: hf_moe_tp against transformers' native ``tp_plan="auto"``,
+inference forward and a training step, fp32 and bf16, tokens per second, and collectives per forward.
+
+    python bench/forward.py [--batch 4] [--seq 512] [--repeats 5] [--tp 2]
+
+Both models load the same files (bench/load.py makes them). Each measurement is the median of ``--repeats``
+runs after one warm-up, on every rank; collectives are counted on one forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from hf_moe_tp.launch import run_on_ranks
+
+DEFAULT_DIR = Path.home() / ".cache/hf_moe_tp/bench-mixtral-1.5g"
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Count calls of torch.distributed's collectives and of the functional ones DTensor uses.
+
+    (torch's CommDebugMode fails on transformers' TP modules in torch 2.13, hence this.)
+    """
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    counts: collections.Counter = collections.Counter()
+    patched = []
+    for module, names in ((dist, ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                                  "all_to_all_single", "broadcast")),
+                          (funcol, ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single",
+                                    "broadcast"))):
+        for name in names:
+            original = getattr(module, name)
+
+            def wrapper(*args, _original=original, _name=name, **kwargs):
+                counts[_name] += 1
+                return _original(*args, **kwargs)
+
+            setattr(module, name, wrapper)
+            patched.append((module, name, original))
+    try:
+        yield counts
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
+
+
+def bench_rank(path: str, which: str, dtype_name: str, batch: int, seq: int, repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    import hf_moe_tp
+
+    dtype = getattr(torch, dtype_name)
+    if which == "hf_moe_tp":
+        model = hf_moe_tp.from_pretrained(path, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    tokens = batch * seq
+
+    model.eval()
+    with torch.no_grad(), count_collectives() as counts:
+        model(ids)
+    collectives = dict(counts)
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    with torch.no_grad():
+        infer = timed(lambda: model(ids))
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+
+    def step():
+        opt.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+
+    try:
+        train = timed(step)
+        train_error = None
+    except Exception as e:  # transformers' native TP fails on some families' training step
+        train, train_error = float("nan"), f"{type(e).__name__}: {str(e)[:120]}"
+    return {"infer_tok_s": tokens / infer, "train_tok_s": tokens / train, "collectives": collectives,
+            "train_error": train_error}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    args = p.parse_args()
+    if not (args.dir / "config.json").is_file():
+        raise SystemExit(f"{args.dir} is missing: run bench/load.py first (it makes the checkpoint)")
+    print(f"{args.dir.name}, TP={args.tp}, batch {args.batch} x {args.seq} tokens, median of {args.repeats}")
+    for dtype in args.dtypes:
+        results = {}
+        for which in ("hf_moe_tp", "transformers tp_plan=auto"):
+            ranks = run_on_ranks(bench_rank, args.tp, str(args.dir), which, dtype, args.batch, args.seq,
+                                 args.repeats, timeout=3600)
+            results[which] = ranks[0]  # every rank runs the same steps; rank 0 speaks for the job
+        print(f"\n{dtype}")
+        for which, r in results.items():
+            extra = f"   (training step failed: {r['train_error']})" if r["train_error"] else ""
+            print(f"  {which:<27} inference {r['infer_tok_s']:9.0f} tok/s   training {r['train_tok_s']:9.0f} tok/s   "
+                  f"collectives per forward {r['collectives']}{extra}")
+        ours, ref = results["hf_moe_tp"], results["transformers tp_plan=auto"]
+        print(f"  hf_moe_tp / transformers: inference {ours['infer_tok_s'] / ref['infer_tok_s']:.2f}x, "
+              f"training {ours['train_tok_s'] / ref['train_tok_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
