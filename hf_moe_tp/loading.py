@@ -52,20 +52,22 @@ def load_checkpoint(
     model: nn.Module,
     path: str | Path,
     *,
-    threads: int = 4,
+    threads: int | None = None,
     record_reads: bool = False,
     progress: bool | None = None,
     strict: bool = True,
 ) -> LoadReport:
     """Fill ``model``'s parameters (plain, meta or DTensor) and persistent buffers from the checkpoint at ``path``.
 
-    Parameters on the meta device are allocated (their local shard only) on ``model``'s buffer device or CPU.
+    ``threads`` reader threads per rank (default :func:`default_threads`). Parameters on the meta device are
+    allocated (their local shard only) on ``model``'s buffer device or CPU.
     Missing parameters, shape mismatches, uncastable dtypes and (with ``strict``) checkpoint tensors the model
     does not use raise :class:`CheckpointError` naming file, key and shapes, before anything is read; keys the
     model declares ignorable (transformers' ``_keys_to_ignore_on_load_unexpected``) are only reported. Tied
     weights are re-tied afterwards.
     """
     start = time.perf_counter()
+    threads = threads or default_threads()
     ckpt = Checkpoint(Path(path), record=record_reads)
     try:
         to_ckpt = _model_keys(model, ckpt.keys())
@@ -125,6 +127,14 @@ def load_checkpoint(
         )
     finally:
         ckpt.close()
+
+
+def default_threads() -> int:
+    """Reader threads per rank: the cores this node's ranks share, at most 4 (copies are memory-bound)."""
+    import os
+
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(1, min(4, (os.cpu_count() or 1) // ranks_here))
 
 
 def local_box(t: torch.Tensor) -> Box:

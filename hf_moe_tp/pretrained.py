@@ -24,7 +24,7 @@ def from_pretrained(
     device_mesh: DeviceMesh | None = None,
     dtype: torch.dtype | None = None,
     model_class: type | None = None,
-    threads: int = 4,
+    threads: int | None = None,
     record_reads: bool = False,
 ) -> PreTrainedModel:
     """Load a Hugging Face MoE model tensor-parallel over ``device_mesh`` (or all ranks).
