@@ -9,14 +9,21 @@ from __future__ import annotations
 from torch import nn
 
 from .base import Adapter
+from .beam import BeamAdapter
+from .deepseek_v4 import DeepseekV4Adapter
 from .gpt_oss import GptOssAdapter
 from .llama4 import Llama4Adapter
+from .minimax_m3_vl import MiniMaxM3VLAdapter
 
 # model_type -> adapter, for families that differ from the generic layout-driven adapter.
 FAMILIES: dict[str, Adapter] = {
+    "beam": BeamAdapter(),
+    "deepseek_v4": DeepseekV4Adapter(),
     "gpt_oss": GptOssAdapter(),
     "llama4_text": Llama4Adapter(),
     "llama4": Llama4Adapter(),
+    "minimax_m3_vl": MiniMaxM3VLAdapter(),
+    "minimax_m3_vl_text": MiniMaxM3VLAdapter(),
 }
 
 

@@ -1,0 +1,18 @@
+"""Beam: the generic adapter; its experts' own ``_apply_gate`` is the default gated activation computed in fp32
+(``act(gate.float()) * up.float()``, cast back), which GroupedExperts' activation equals in fp32 (in bf16 it
+rounds once more)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hf_moe_tp.experts import ExpertActivation
+
+from .base import Adapter, activation_name
+
+
+class BeamAdapter(Adapter):
+    name = "beam"
+
+    def activation(self, module: nn.Module) -> ExpertActivation:
+        return ExpertActivation(activation_name(module.act_fn), gated=module.has_gate)
