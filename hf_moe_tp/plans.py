@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 from transformers import PretrainedConfig
 
 from .experts import GroupedExperts
-from .styles import LocalParams, NoParallel, TensorParallel
+from .styles import LocalParams, NoParallel, TensorParallel, swap_to_local
 
 # transformers' plan names -> torch styles. Expert entries are ours (TensorParallel on GroupedExperts).
 HF_STYLES = {
@@ -128,7 +128,23 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
             leftovers[name] = LocalParams(sum_grads=False)
     if leftovers:
         parallelize_module(model, mesh, leftovers)
+    # parameters of local-compute modules appear local for the whole forward, whoever reads them
+    resolved = {**resolve_plan(plan), **leftovers}
+    local = [(module, n) for name, module in model.named_modules()
+             if isinstance(style := _style_for(name, resolved), LocalParams) and not style.sum_grads
+             for n, p in module.named_parameters(recurse=False) if p is not None]
+    if local:
+        swap_to_local(model, local)
     return model
+
+
+def _style_for(name: str, plan: dict[str, ParallelStyle]) -> ParallelStyle | None:
+    if name in plan:
+        return plan[name]
+    for pattern, style in plan.items():
+        if "*" in pattern and fnmatch.fnmatchcase(name, pattern) and name.count(".") == pattern.count("."):
+            return style
+    return None
 
 
 def describe(plan: dict[str, ParallelStyle]) -> dict[str, str]:

@@ -149,20 +149,51 @@ class LocalParams(ParallelStyle):
         saved: list[dict[str, nn.Parameter]] = []
 
         def use_local(mod: nn.Module, args: tuple) -> None:
-            saved.append({n: mod._parameters[n] for n in names})
+            swapped = {}
             for n in names:
-                p = saved[-1][n]
+                p = mod._parameters[n]
+                if not isinstance(p, DTensor):  # already local: an enclosing swap (see swap_to_local) did it
+                    continue
                 local = p.to_local()
                 if self.sum_grads and p.placements == (Replicate(),) and local.requires_grad:
                     local = _SumGradOverMesh.apply(local, group)
+                swapped[n] = p
                 mod._parameters[n] = local  # plain tensor for this call only; restored below
+            saved.append(swapped)
 
         def restore(mod: nn.Module, args: tuple, out: Any) -> None:
             mod._parameters.update(saved.pop())
 
         module.register_forward_pre_hook(use_local)
-        module.register_forward_hook(restore)
+        module.register_forward_hook(restore, always_call=True)
         return module
+
+
+def swap_to_local(root: nn.Module, params: list[tuple[nn.Module, str]]) -> None:
+    """During ``root``'s forward, let every listed DTensor parameter appear as its local tensor.
+
+    :class:`LocalParams` swaps a module's parameters during that module's own forward; some models read a
+    submodule's weight from the parent's code (a Mamba mixer calling ``conv1d`` functionally with
+    ``self.conv1d.weight``), so the parameters of local-compute modules are swapped for the whole forward too.
+    Gradients reach the DTensor parameters through ``to_local``.
+    """
+    saved: list[list[tuple[nn.Module, str, nn.Parameter]]] = []
+
+    def use_local(mod: nn.Module, args: tuple) -> None:
+        swapped = []
+        for owner, name in params:
+            p = owner._parameters.get(name)
+            if isinstance(p, DTensor):
+                owner._parameters[name] = p.to_local()
+                swapped.append((owner, name, p))
+        saved.append(swapped)
+
+    def restore(mod: nn.Module, args: tuple, out: Any) -> None:
+        for owner, name, p in saved.pop():
+            owner._parameters[name] = p
+
+    root.register_forward_pre_hook(use_local)
+    root.register_forward_hook(restore, always_call=True)
 
 
 class _SumGradOverMesh(torch.autograd.Function):
