@@ -15,7 +15,7 @@ import fnmatch
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -76,6 +76,7 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None) -> 
     from model_patches import adapter_for
 
     plan.update(adapter_for(model).plan_entries(model, tp_size))
+    plan.update(sink_entries(model, plan))
     for name, module in modules.items():
         if isinstance(module, GroupedExperts):
             plan[name] = TensorParallel()
@@ -85,6 +86,18 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None) -> 
                 if rname in modules and rname not in plan:
                     plan[rname] = NoParallel()
     return plan
+
+
+def sink_entries(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """Per-head attention sinks (GPT-OSS, GraniteMoE-SWA, MiMo-V2-Flash, ...) split with their heads: an
+    attention module whose query projection the plan splits keeps its ``sinks`` as local ``Shard(0)`` pieces."""
+    out = {}
+    for name, module in model.named_modules():
+        sinks = getattr(module, "sinks", None)
+        if isinstance(sinks, nn.Parameter) and sinks.dim() == 1 and isinstance(plan.get(f"{name}.q_proj"),
+                                                                              ColwiseParallel):
+            out[name] = LocalParams(placements={"sinks": Shard(0)}, sum_grads=False)
+    return out
 
 
 def meta_model(config: PretrainedConfig, model_class: type | None = None, dtype: torch.dtype | None = None

@@ -1,15 +1,13 @@
 """GPT-OSS: the generic adapter for its experts (interleaved, transposed, biased, clamped SwiGLU), plus the
-attention plan transformers 5.23 leaves out (its ``tp_plan`` splits only ``lm_head``), with the per-head
-attention sinks split alongside the heads."""
+attention plan transformers 5.23 leaves out (its ``tp_plan`` splits only ``lm_head``); the per-head attention
+sinks then split alongside the heads (``hf_moe_tp.plans.sink_entries``)."""
 
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hf_moe_tp.plans import heads_divide
-from hf_moe_tp.styles import LocalParams
 
 from .base import Adapter
 
@@ -23,7 +21,6 @@ class GptOssAdapter(Adapter):
         plan = {}
         for name, module in model.named_modules():
             if hasattr(module, "sinks") and hasattr(module, "q_proj"):
-                plan[name] = LocalParams(placements={"sinks": Shard(0)}, sum_grads=False)
                 plan.update({f"{name}.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")})
                 plan[f"{name}.o_proj"] = RowwiseParallel()
         return plan
