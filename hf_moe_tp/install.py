@@ -50,6 +50,7 @@ def uninstall() -> None:
 
 
 def installed() -> bool:
+    """Whether :func:`install` is in effect."""
     return _original is not None
 
 

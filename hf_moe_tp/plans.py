@@ -15,7 +15,7 @@ import fnmatch
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -137,7 +137,7 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
     parallelize_module(model, mesh, resolve_plan(plan))
     leftovers = {}
     for name, module in model.named_modules():
-        if any(not _is_dtensor(p) for p in module.parameters(recurse=False)):
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             leftovers[name] = LocalParams(sum_grads=False)
     if leftovers:
         parallelize_module(model, mesh, leftovers)
@@ -158,11 +158,6 @@ def _style_for(name: str, plan: dict[str, ParallelStyle]) -> ParallelStyle | Non
         if "*" in pattern and fnmatch.fnmatchcase(name, pattern) and name.count(".") == pattern.count("."):
             return style
     return None
-
-
-def describe(plan: dict[str, ParallelStyle]) -> dict[str, str]:
-    """A readable form of a plan: name -> style class name."""
-    return {name: type(style).__name__ for name, style in plan.items()}
 
 
 def _match(pattern: str, modules: dict[str, nn.Module]) -> list[str]:
@@ -204,9 +199,3 @@ def _divides(name: str, module: nn.Module, style_name: str, config, tp_size: int
         rowwise = style_name.startswith("rowwise")
         return (module.in_features if rowwise else module.out_features) % tp_size == 0
     return False
-
-
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)

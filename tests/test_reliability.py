@@ -183,3 +183,19 @@ def test_rank_killed_during_loading_under_torchrun(good):
     assert killed, done.stdout + done.stderr[-2000:]
     assert done.returncode != 0 and "LOADED" not in done.stdout
     assert end - killed[0] < 30, end - killed[0]
+
+
+def _mesh_larger_than_world(path: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    start = time.monotonic()
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+    except Exception as e:  # torch refuses it before any of our code runs
+        return time.monotonic() - start, f"{type(e).__name__}: {e}"
+    return _load_error(path, device_mesh=mesh)
+
+
+def test_mesh_larger_than_the_world(ranks, good):
+    for seconds, message in ranks(2).run(_mesh_larger_than_world, str(good)):
+        assert message is not None and seconds < 30
