@@ -134,7 +134,8 @@ def resolve_plan(plan: dict[str, ParallelStyle | str]) -> dict[str, ParallelStyl
 def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle | str]) -> nn.Module:
     """Apply ``plan`` (names or ``*`` patterns -> styles or style names), then replicate every parameter left
     as a plain tensor."""
-    parallelize_module(model, mesh, resolve_plan(plan))
+    plan = resolve_plan(plan)
+    parallelize_module(model, mesh, plan)
     leftovers = {}
     for name, module in model.named_modules():
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
@@ -142,7 +143,7 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
     if leftovers:
         parallelize_module(model, mesh, leftovers)
     # parameters of local-compute modules appear local for the whole forward, whoever reads them
-    resolved = {**resolve_plan(plan), **leftovers}
+    resolved = {**plan, **leftovers}
     local = [(module, n) for name, module in model.named_modules()
              if isinstance(style := _style_for(name, resolved), LocalParams) and not style.sum_grads
              for n, p in module.named_parameters(recurse=False) if p is not None]
@@ -155,13 +156,18 @@ def _style_for(name: str, plan: dict[str, ParallelStyle]) -> ParallelStyle | Non
     if name in plan:
         return plan[name]
     for pattern, style in plan.items():
-        if "*" in pattern and fnmatch.fnmatchcase(name, pattern) and name.count(".") == pattern.count("."):
+        if "*" in pattern and _matches(name, pattern):
             return style
     return None
 
 
+def _matches(name: str, pattern: str) -> bool:
+    """``*`` stands for one name atom, as in ``parallelize_module``'s plans."""
+    return fnmatch.fnmatchcase(name, pattern) and name.count(".") == pattern.count(".")
+
+
 def _match(pattern: str, modules: dict[str, nn.Module]) -> list[str]:
-    return [n for n in modules if fnmatch.fnmatchcase(n, pattern) and n.count(".") == pattern.count(".")]
+    return [n for n in modules if _matches(n, pattern)]
 
 
 def _inside_experts(name: str, modules: dict[str, nn.Module]) -> bool:
