@@ -1,5 +1,6 @@
 """hf_moe_tp: Hugging Face Mixture-of-Experts models, tensor-parallel on PyTorch DTensors."""
 
+from .expert_parallel import ExpertParallel
 from .experts import ExpertActivation, GroupedExperts
 from .grouped_mm import grouped_mm
 from .install import install, uninstall
@@ -11,6 +12,7 @@ from .styles import LocalParams, NoParallel, TensorParallel
 
 __all__ = [
     "ExpertActivation",
+    "ExpertParallel",
     "GroupedExperts",
     "LoadReport",
     "LocalParams",

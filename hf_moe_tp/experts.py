@@ -127,7 +127,7 @@ class GroupedExperts(nn.Module):
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         expert_of_row = flat[order]
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = torch.bincount(flat, minlength=w1.shape[0])  # this rank's experts (all, unless expert-parallel)
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = x[order // top_k]
         row_weights = weights.reshape(-1)[order].unsqueeze(-1)

@@ -1,0 +1,185 @@
+"""ExpertParallel: whole experts per rank; each routed token travels to its expert's rank and back by all-to-all.
+
+The style wraps a GroupedExperts in two hooks and leaves its forward as it is:
+
+- before (dispatch): this rank's (token, slot) pairs are sorted by expert, which groups them by owner rank;
+  one all-to-all exchanges the per-expert counts, a second (``all_to_all_single``) the token rows. The experts
+  then run top-1 with unit weights on the rows they received, with local expert ids.
+- after (combine): the output rows go back with the reverse all-to-all and are weighted and summed per token
+  on the rank that sent them, in the routing weights' dtype, rounded once (as the unsharded forward does).
+
+Every rank of the batch's group sends a disjoint slice of the batch when the ranks hold the same tokens (after
+tensor-parallel attention), so each (token, slot) pair runs once; the outputs are gathered back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from .styles import _hook_inputs, _SumGradOverMesh
+
+
+class ExpertParallel(ParallelStyle):
+    """Give each rank whole experts: every GroupedExperts parameter ``Shard(0)`` (the expert dim) over the EP ranks.
+
+    On a 1-D mesh the EP ranks are the mesh; ``input_layout`` says how the batch lies over them:
+    ``Replicate()`` (default; every rank holds the same tokens, as after tensor-parallel attention: each rank
+    dispatches a disjoint slice and the outputs are all-gathered) or ``Shard(0)`` (each rank holds its own
+    tokens, as under data parallelism: nothing is sliced or gathered).
+
+    On a 2-D mesh, the dimension named ``"ep"`` splits the experts and holds different batches; the other
+    dimension (say ``"tp"``) holds one batch on all its ranks and a copy of each expert. Its ranks slice that
+    batch between them, and the gradients of the expert copies are summed over it.
+
+    Experts that do not divide by the EP size are split like ``torch.chunk`` (``ceil(E / N)`` per rank); a split
+    that leaves a rank without experts is refused.
+    """
+
+    def __init__(self, *, input_layout: Placement | None = None) -> None:
+        super().__init__()
+        self.input_layout = input_layout or Replicate()
+        if not (isinstance(self.input_layout, Replicate) or self.input_layout == Shard(0)):
+            raise ValueError(f"ExpertParallel input_layout must be Replicate() or Shard(0), got {self.input_layout}")
+
+    def __repr__(self) -> str:
+        return f"ExpertParallel(input_layout={self.input_layout})"
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        ep_mesh, batch_mesh, placements = self._meshes(device_mesh)
+        num_experts = module.w1.shape[0]
+        per_rank = -(-num_experts // ep_mesh.size())
+        empty = [r for r in range(ep_mesh.size()) if r * per_rank >= num_experts]
+        if empty:
+            raise ValueError(f"ExpertParallel: {num_experts} experts over {ep_mesh.size()} EP ranks split as "
+                             f"torch.chunk does ({per_rank} per rank) leave EP rank(s) {empty} without experts; "
+                             f"use an EP size that leaves every rank at least one expert")
+        for name, p in list(module.named_parameters(recurse=False)):
+            dt = distribute_tensor(p.data, device_mesh, placements, src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+        dispatcher = _Dispatcher(module, ep_mesh, batch_mesh, per_rank,
+                                 sum_grads_over=batch_mesh if device_mesh.ndim == 2 else None)
+        _hook_inputs(module, dispatcher.dispatch)
+        module.register_forward_hook(lambda mod, args, out: dispatcher.combine(out))
+        module.register_forward_hook(lambda mod, args, out: dispatcher.restore(), always_call=True)
+        return module
+
+    def _meshes(self, mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh | None, list[Placement]]:
+        """(EP mesh, mesh whose ranks share one batch or None, the parameters' placements)."""
+        if mesh.ndim == 1:
+            return mesh, (mesh if isinstance(self.input_layout, Replicate) else None), [Shard(0)]
+        names = mesh.mesh_dim_names or ()
+        if mesh.ndim != 2 or "ep" not in names:
+            raise ValueError(f"ExpertParallel needs a 1-D mesh or a 2-D mesh with an 'ep' dimension, got shape "
+                             f"{tuple(mesh.shape)} with names {names}")
+        ep = names.index("ep")
+        placements: list[Placement] = [Replicate(), Replicate()]
+        placements[ep] = Shard(0)
+        return mesh["ep"], mesh[names[1 - ep]], placements
+
+
+class _Dispatcher:
+    """The state of one GroupedExperts' exchanges; one entry per call in flight (re-entrant for recomputation)."""
+
+    def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh, batch_mesh: DeviceMesh | None, per_rank: int,
+                 sum_grads_over: DeviceMesh | None) -> None:
+        self.experts = experts
+        self.ep_mesh, self.batch_mesh, self.per_rank = ep_mesh, batch_mesh, per_rank
+        self.sum_grads_over = sum_grads_over
+        self.calls: list[dict] = []
+        self.swapped: list[dict[str, nn.Parameter]] = []
+
+    def dispatch(self, args: tuple) -> tuple:
+        x, index, weights = args[:3]
+        num_tokens = x.shape[0]
+        if self.batch_mesh is not None:  # the ranks share this batch: each sends its own slice
+            x, index, weights = (_slice_rows(t, self.batch_mesh) for t in (x, index, weights))
+        top_k = index.shape[1]
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = x[order // top_k]
+        if self.experts.score_before_experts:
+            rows = rows * weights.reshape(-1)[order].unsqueeze(-1).to(rows.dtype)
+
+        # counts per (destination rank, its local expert); experts past the last one pad the final rank's row
+        ep_size, group = self.ep_mesh.size(), self.ep_mesh.get_group()
+        send_counts = torch.bincount(flat, minlength=ep_size * self.per_rank).view(ep_size, self.per_rank)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        send_sizes, recv_sizes = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        received = _AllToAll.apply(rows, recv_sizes, send_sizes, group)
+        local_ids = torch.arange(self.per_rank, device=x.device).repeat(ep_size)
+        local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1))
+
+        self.calls.append(dict(order=order, weights=weights, send_sizes=send_sizes, recv_sizes=recv_sizes,
+                               num_tokens=num_tokens, dtype=x.dtype))
+        self._swap_params()
+        ones = torch.ones(received.shape[0], 1, dtype=weights.dtype, device=x.device)
+        return (received, local_ids.unsqueeze(1), ones, *args[3:])
+
+    def combine(self, out: torch.Tensor) -> torch.Tensor:
+        call = self.calls.pop()
+        back = _AllToAll.apply(out, call["send_sizes"], call["recv_sizes"], self.ep_mesh.get_group())
+        back = back.new_empty(back.shape).index_copy(0, call["order"], back)
+        weights = call["weights"]
+        back = back.view(*weights.shape, back.shape[-1])
+        if not self.experts.score_before_experts:
+            back = back * weights.unsqueeze(-1)
+        y = back.sum(dim=1).to(call["dtype"])
+        if self.batch_mesh is not None:
+            y = _gather_rows(y, self.batch_mesh, call["num_tokens"])
+        return y
+
+    def _swap_params(self) -> None:
+        """Expert copies on the batch-sharing ranks each see part of the batch: sum their gradients (2-D mesh)."""
+        swapped = {}
+        if self.sum_grads_over is not None:
+            group = self.sum_grads_over.get_group()
+            for name, p in list(self.experts._parameters.items()):
+                if isinstance(p, DTensor):
+                    local = p.to_local()
+                    swapped[name] = p
+                    self.experts._parameters[name] = _SumGradOverMesh.apply(local, group) if local.requires_grad \
+                        else local
+        self.swapped.append(swapped)
+
+    def restore(self) -> None:
+        if self.swapped:
+            self.experts._parameters.update(self.swapped.pop())
+
+
+def _slice_rows(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's rows of a tensor every rank of ``mesh`` holds whole (``torch.chunk``'s split); the backward
+    all-gathers the rows' gradients."""
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(0)]).to_local()
+
+
+def _gather_rows(t: torch.Tensor, mesh: DeviceMesh, num_rows: int) -> torch.Tensor:
+    """The inverse of :func:`_slice_rows`: all ranks' rows, in order, on every rank (uneven slices too)."""
+    shape = (num_rows, *t.shape[1:])
+    dt = DTensor.from_local(t.contiguous(), mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                            stride=torch.empty(shape, device="meta").stride())
+    return dt.redistribute(mesh, [Replicate()]).to_local()
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows: send ``send_sizes[r]`` rows to rank r, receive ``recv_sizes[r]`` from it.
+    The backward sends the gradients back the same way reversed."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, recv_sizes: list[int], send_sizes: list[int], group) -> torch.Tensor:  # type: ignore[override]
+        ctx.sizes, ctx.group = (recv_sizes, send_sizes), group
+        out = rows.new_empty((sum(recv_sizes), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), recv_sizes, send_sizes, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        recv_sizes, send_sizes = ctx.sizes
+        out = grad.new_empty((sum(send_sizes), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), send_sizes, recv_sizes, group=ctx.group)
+        return out, None, None, None
