@@ -99,7 +99,8 @@ def style_label(style) -> str:
     """A short label: the class and the layouts that differ from its defaults."""
     name = type(style).__name__
     parts = []
-    for attr, short in (("input_layouts", "in"), ("output_layouts", "out"), ("output_layout", "out")):
+    for attr, short in (("input_layouts", "in"), ("output_layouts", "out"), ("output_layout", "out"),
+                        ("input_layout", "in")):
         value = getattr(style, attr, None)
         default = getattr(type(style)(), attr, None)
         if value is not None and value != default:

@@ -70,7 +70,9 @@ def _wrap(original):
         from .pretrained import from_pretrained as ours
 
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        ep_size = getattr(kwargs.get("distributed_config"), "ep_size", None)
         return ours(pretrained_model_name_or_path, tp_plan=plan, device_mesh=kwargs.get("device_mesh"),
+                    ep_size=ep_size if ep_size and ep_size > 1 else None,
                     dtype=None if dtype == "auto" else dtype, model_class=cls)
 
     return from_pretrained
@@ -85,7 +87,8 @@ def _requested_plan(kwargs: dict) -> Any:
         return None
     if getattr(config, "tp_plan", None) is not None:
         return config.tp_plan
-    return "auto" if (getattr(config, "tp_size", None) or 1) > 1 else None
+    sizes = (getattr(config, "tp_size", None) or 1, getattr(config, "ep_size", None) or 1)
+    return "auto" if max(sizes) > 1 else None
 
 
 def is_moe(config) -> bool:

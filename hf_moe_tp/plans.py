@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
 )
 from transformers import PretrainedConfig
 
+from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
 from .styles import LocalParams, NoParallel, TensorParallel, swap_to_local
 
@@ -39,6 +40,7 @@ HF_STYLES = {
 # Our styles by name, so plans can be written as strings too (and registered in transformers' ParallelInterface).
 STYLE_NAMES = {
     "hf_moe_tp_experts": lambda: TensorParallel(),
+    "hf_moe_tp_expert_parallel": lambda: ExpertParallel(),
     "hf_moe_tp_router": lambda: NoParallel(),
     "hf_moe_tp_replicated": lambda: LocalParams(sum_grads=False),
     "hf_moe_tp_local_sum_grads": lambda: LocalParams(),
@@ -46,9 +48,13 @@ STYLE_NAMES = {
 ROUTER_NAMES = ("gate", "router")
 
 
-def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None) -> dict[str, ParallelStyle]:
+def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, ep_size: int | None = None
+            ) -> dict[str, ParallelStyle]:
     """The default plan for ``model`` (with GroupedExperts swapped in), or for the causal-LM model that
     ``config`` describes: module name -> style.
+
+    Experts get ``TensorParallel`` (each expert split by its hidden size), or with ``ep_size`` > 1
+    ``ExpertParallel`` (whole experts per rank); everything else is planned for ``tp_size`` either way.
 
     ``tp_size`` (default: the world size when a process group exists) decides which of transformers' entries
     can be kept: a linear layer is split only when the split size divides (heads for attention, features for
@@ -79,7 +85,7 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None) -> 
     plan.update(sink_entries(model, plan))
     for name, module in modules.items():
         if isinstance(module, GroupedExperts):
-            plan[name] = TensorParallel()
+            plan[name] = ExpertParallel() if ep_size and ep_size > 1 else TensorParallel()
             parent = name.rpartition(".")[0]
             for router in ROUTER_NAMES:
                 rname = f"{parent}.{router}" if parent else router
@@ -131,10 +137,16 @@ def resolve_plan(plan: dict[str, ParallelStyle | str]) -> dict[str, ParallelStyl
     return out
 
 
-def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle | str]) -> nn.Module:
+def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle | str],
+               ep_mesh: DeviceMesh | None = None) -> nn.Module:
     """Apply ``plan`` (names or ``*`` patterns -> styles or style names), then replicate every parameter left
-    as a plain tensor."""
+    as a plain tensor. ``ExpertParallel`` entries go on ``ep_mesh`` when given (a 2-D ``(ep, tp)`` mesh whose
+    ``tp`` dimension is ``mesh``), on ``mesh`` otherwise."""
     plan = resolve_plan(plan)
+    if ep_mesh is not None:
+        experts = {k: v for k, v in plan.items() if isinstance(v, ExpertParallel)}
+        parallelize_module(model, ep_mesh, experts)
+        plan = {k: v for k, v in plan.items() if k not in experts}
     parallelize_module(model, mesh, plan)
     leftovers = {}
     for name, module in model.named_modules():

@@ -22,6 +22,7 @@ def from_pretrained(
     *,
     tp_plan: str | dict[str, ParallelStyle] | None = "auto",
     device_mesh: DeviceMesh | None = None,
+    ep_size: int | None = None,
     dtype: torch.dtype | None = None,
     model_class: type | None = None,
     threads: int | None = None,
@@ -37,6 +38,13 @@ def from_pretrained(
     Without a process group one is started from the torchrun environment, or as a world of one. A given
     ``device_mesh`` is used as it is (1-D) or through its ``"tp"`` dimension.
 
+    Expert parallelism (:class:`hf_moe_tp.ExpertParallel`: whole experts per rank, tokens moved by all-to-all)
+    with ``ep_size``: equal to the TP size, the experts are split over the same ranks as attention; smaller,
+    the world becomes an ``(ep, tp)`` mesh (``ep_size`` x world / ``ep_size``): attention split over ``tp``,
+    experts over ``ep``, each ``ep`` coordinate running its own batch (data parallel for the dense layers,
+    whose gradients the caller averages over ``ep``). A 2-D ``device_mesh`` with an ``"ep"`` dimension selects
+    the latter too. ``tp_plan`` entries set to ``ExpertParallel`` select EP with the plan form.
+
     Failures never leave a rank waiting: whatever fails on any rank (a bad file, a read error on one rank, a
     mesh that leaves this rank out), every rank raises :class:`LoadError` naming each failed rank's error.
     """
@@ -46,12 +54,13 @@ def from_pretrained(
     model = None
     try:
         path = _local_dir(path)
-        mesh = resolve_mesh(device_mesh)
+        mesh, ep_mesh = resolve_meshes(device_mesh, ep_size)
         config = AutoConfig.from_pretrained(path)
         model = plans.meta_model(config, model_class, dtype)
         _buffers_to(model, _mesh_device(mesh))  # the loader allocates parameters where the buffers are
-        plan = _plan(model, tp_plan, mesh)
-        plans.apply_plan(model, mesh, plan)
+        plan = _plan(model, tp_plan, mesh, ep_size=ep_size or (ep_mesh["ep"].size() if ep_mesh else None))
+        plans.apply_plan(model, mesh, plan, ep_mesh=ep_mesh)
+        model.hf_moe_tp_mesh, model.hf_moe_tp_ep_mesh = mesh, ep_mesh
         model.hf_moe_tp_plan = plan
         model.hf_moe_tp_load = load_checkpoint(model, path, threads=threads, record_reads=record_reads)
         if (path / "generation_config.json").is_file():
@@ -85,14 +94,42 @@ def agree(error: BaseException | None) -> None:
         raise LoadError(failures) from error
 
 
-def _plan(model: nn.Module, plan, mesh: DeviceMesh) -> dict[str, ParallelStyle]:
+def _plan(model: nn.Module, plan, mesh: DeviceMesh, ep_size: int | None = None) -> dict[str, ParallelStyle]:
     if plan == "auto":
-        return plans.tp_plan(model, mesh.size())
+        return plans.tp_plan(model, mesh.size(), ep_size=ep_size)
     if plan is None:
         return {}
     if isinstance(plan, dict):
         return plans.resolve_plan(plan)
     raise ValueError(f"tp_plan must be 'auto', None or a dict of module names to styles, got {plan!r}")
+
+
+def resolve_meshes(device_mesh: DeviceMesh | None = None, ep_size: int | None = None
+                   ) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """The 1-D tensor-parallel mesh and, for expert parallelism on an ``(ep, tp)`` mesh, that 2-D mesh.
+
+    ``ep_size`` equal to the TP size (or None) needs no mesh of its own: experts go on the TP mesh.
+    """
+    if device_mesh is None and ep_size not in (None, 1):
+        init_process_group()
+        world = dist.get_world_size()
+        if world % ep_size:
+            raise ValueError(f"ep_size={ep_size} must divide the world size {world}")
+        if ep_size != world:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            device_mesh = init_device_mesh(device, (ep_size, world // ep_size), mesh_dim_names=("ep", "tp"))
+    tp = resolve_mesh(device_mesh)
+    names = (device_mesh.mesh_dim_names or ()) if device_mesh is not None else ()
+    if "ep" in names:
+        if device_mesh.ndim != 2:
+            raise ValueError(f"a device_mesh with an 'ep' dimension must be 2-D ('ep', 'tp'), got names {names}")
+        if ep_size not in (None, device_mesh["ep"].size()):
+            raise ValueError(f"ep_size={ep_size} differs from the device_mesh's 'ep' size {device_mesh['ep'].size()}")
+        return tp, device_mesh
+    if ep_size not in (None, 1, tp.size()):
+        raise ValueError(f"ep_size={ep_size} must equal the TP size {tp.size()} (experts on the same ranks), or the "
+                         f"device_mesh needs an 'ep' dimension of that size")
+    return tp, None
 
 
 def resolve_mesh(device_mesh: DeviceMesh | None = None) -> DeviceMesh:

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
+from families import configs, save_family, save_model
 from moe_cases import grouped_experts, routing
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
+from transformers import AutoModelForCausalLM
 
+import hf_moe_tp
 from hf_moe_tp import ExpertActivation, ExpertParallel, GroupedExperts
+from hf_moe_tp.checkpoint import Checkpoint
 
 TOKENS, DIM, HIDDEN, TOP_K = 30, 16, 12, 2
 FP32_TOL = 1e-5
@@ -124,3 +129,165 @@ def _refused(experts: int):
 def test_ep_refuses_ranks_without_experts(ranks):
     for message in ranks(4).run(_refused, 6):  # chunk: 2 + 2 + 2 + 0
         assert message is not None and "6 experts over 4 EP ranks" in message and "[3]" in message
+
+
+# ---------------------------------------------------------------------------------------------------------
+# whole models: from_pretrained(ep_size=...) against transformers' single-process model
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep-ckpt")
+    cache: dict = {}
+
+    def get(family: str, packed: bool = False):
+        if (family, packed) not in cache:
+            cache[family, packed] = save_family(family, root, packed=packed)
+        return cache[family, packed]
+
+    return get
+
+
+def _own_experts(module: GroupedExperts) -> range:
+    start = hf_moe_tp.loading.local_box(module.w1)[0]
+    return range(*start)
+
+
+def _model_matches_transformers(path: str, ep_size: int):
+    """Load with ``ep_size``; logits, greedy tokens and one AdamW step against one process; expert reads.
+
+    At ep_size < world the mesh is (ep, tp): each ep coordinate runs its own half of the batch, and the dense
+    layers' gradients (replicated over ep) are summed over ep, as data parallelism would; the experts'
+    gradients are already whole."""
+    model = hf_moe_tp.from_pretrained(path, ep_size=ep_size, record_reads=True)
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
+    ep_mesh = model.hf_moe_tp_ep_mesh
+    batches = ep_mesh["ep"].size() if ep_mesh is not None else 1
+    batch = ep_mesh.get_local_rank("ep") if ep_mesh is not None else 0
+    ids_all = torch.randint(0, model.config.vocab_size, (2 * batches, 12), generator=torch.Generator().manual_seed(1))
+    rows = slice(2 * batch, 2 * batch + 2)
+    ids = ids_all[rows]
+
+    with torch.no_grad():
+        logits, ref_logits = model(ids).logits, ref(ids_all).logits[rows]
+    tokens = model.generate(ids[:1], max_new_tokens=8, do_sample=False)
+    ref_tokens = ref.generate(ids[:1], max_new_tokens=8, do_sample=False)
+
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    placements = {p.placements for m in experts for p in m.parameters()}
+    owned = {_own_experts(m) for m in experts}  # every MoE layer of these families has the same experts
+    own = owned.pop() if len(owned) == 1 else None
+    # expert reads: per-expert keys only of this rank's experts, packed ones sliced to them on the expert dim
+    expert_reads = [(k, s) for k, s in model.hf_moe_tp_load.reads if re.search(r"(?<!shared_)experts\.", k)]
+    foreign = []
+    for key, slices in expert_reads:
+        per_expert = re.search(r"experts\.(\d+)\.", key)
+        if per_expert:
+            ok = int(per_expert.group(1)) in own
+        else:
+            ok = (slices[0].start or 0) == own.start and slices[0].stop == own.stop
+        if not ok:
+            foreign.append((key, slices))
+    expert_keys = [k for k in Checkpoint(path).tensors if re.search(r"(?<!shared_)experts\.", k)]
+
+    model.train()
+    ref.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    loss = model(ids, labels=ids).loss / batches  # the mean over all batches, summed over ep below
+    loss.backward()
+    if ep_mesh is not None:
+        group = ep_mesh["ep"].get_group()
+        for p in model.parameters():
+            if p.grad is not None and p.device_mesh.ndim == 1:  # dense: replicated over ep
+                dist.all_reduce(p.grad.to_local(), group=group)
+    ref_losses = [ref(ids_all[2 * b:2 * b + 2], labels=ids_all[2 * b:2 * b + 2]).loss for b in range(batches)]
+    (sum(ref_losses) / batches).backward()
+    opt.step()
+    ref_opt.step()
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        after, ref_after = model(ids).logits, ref(ids_all).logits[rows]
+    return {
+        "logits": (logits - ref_logits).abs().max().item(),
+        "tokens_equal": torch.equal(tokens, ref_tokens),
+        "loss": abs(loss.item() * batches - ref_losses[batch].item()),
+        "logits_after_step": (after - ref_after).abs().max().item(),
+        "placements": placements,
+        "own": (own.start, own.stop) if own else None,
+        "expert_reads": len(expert_reads),
+        "expert_keys": len(expert_keys),
+        "foreign_reads": foreign,
+    }
+
+
+def _check_model(results: list[dict], placements: set) -> None:
+    for r in results:
+        assert r["logits"] <= 2e-5 and r["loss"] <= 2e-5 and r["logits_after_step"] <= 2e-5, r
+        assert r["tokens_equal"]
+        assert r["placements"] == placements, r["placements"]
+        assert r["expert_reads"] > 0 and r["foreign_reads"] == [], r["foreign_reads"][:3]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_model_ep_equals_tp_ranks(ranks, checkpoints, family, world):
+    """EP over the TP ranks: attention split by heads, experts whole, on the same ranks."""
+    results = ranks(world).run(_model_matches_transformers, str(checkpoints(family)), world)
+    _check_model(results, {(Shard(0),)})
+    assert len({r["own"] for r in results}) == world  # each rank its own experts
+    assert sum(r["expert_reads"] for r in results) == results[0]["expert_keys"]  # each per-expert key read once
+
+
+def test_model_ep_packed_checkpoint(ranks, checkpoints):
+    """Packed (E, ...) expert tensors are read sliced on the expert dim."""
+    _check_model(ranks(2).run(_model_matches_transformers, str(checkpoints("mixtral", packed=True)), 2),
+                 {(Shard(0),)})
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_model_ep_on_2d_mesh(ranks, checkpoints, family):
+    """ep_size=2 on 4 ranks: an (ep=2, tp=2) mesh, attention over tp, experts over ep, a batch per ep coordinate."""
+    _check_model(ranks(4).run(_model_matches_transformers, str(checkpoints(family)), 2),
+                 {(Shard(0), Replicate())})
+
+
+def _through_transformers(path: str):
+    from transformers.distributed import DistributedConfig
+
+    hf_moe_tp.install()
+    try:
+        config = DistributedConfig(tp_size=dist.get_world_size(), ep_size=dist.get_world_size())
+        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config)
+    finally:
+        hf_moe_tp.uninstall()
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (model(ids).logits - ref(ids).logits).abs().max().item()
+    styles = {type(s).__name__ for s in model.hf_moe_tp_plan.values()}
+    return diff, styles
+
+
+def test_transformers_distributed_config_ep_size(ranks, checkpoints):
+    """After install(), transformers' from_pretrained with DistributedConfig(ep_size=2) loads ours with EP."""
+    for diff, styles in ranks(2).run(_through_transformers, str(checkpoints("qwen3_moe"))):
+        assert diff <= 2e-5 and "ExpertParallel" in styles and "TensorParallel" not in styles
+
+
+def _bad_ep_size(path: str, ep_size: int):
+    try:
+        hf_moe_tp.from_pretrained(path, ep_size=ep_size)
+    except hf_moe_tp.pretrained.LoadError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("ep_size,message", [(3, "ep_size=3 must divide the world size 4"),
+                                             (4, "6 experts over 4 EP ranks")])
+def test_bad_ep_size_fails_on_every_rank(ranks, tmp_path, ep_size, message):
+    config = configs()["qwen3_moe"]
+    config.num_experts = 6
+    path = save_model(config, tmp_path / "qwen3-6-experts")
+    for error in ranks(4).run(_bad_ep_size, str(path), ep_size):
+        assert error is not None and message in error, error
