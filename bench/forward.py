@@ -36,8 +36,8 @@ def count_collectives():
     patched = []
     for module, names in ((dist, ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
                                   "all_to_all_single", "broadcast")),
-                          (funcol, ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single",
-                                    "broadcast"))):
+                          (funcol, ("all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor",
+                                    "reduce_scatter_single", "all_to_all_single", "broadcast"))):
         for name in names:
             original = getattr(module, name)
 

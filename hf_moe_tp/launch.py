@@ -76,6 +76,8 @@ class RankPool:
                 pass
         deadline = time.monotonic() + 2.0
         for p in self._procs:
+            if p.pid is None:  # never started (start failed part way)
+                continue
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
