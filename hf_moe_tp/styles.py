@@ -90,6 +90,9 @@ class NoParallel(ParallelStyle):
     This puts routers (and any other unsplit module) on the same mesh as the sharded ones, which gradient
     clipping and fused optimizers need. Tensor inputs arriving in ``input_layout`` are made replicated;
     tensor outputs (also inside tuples) are returned in ``output_layout``, as local tensors by default.
+
+    The module computes on the local tensors of its replicated parameters: every rank holds the same inputs,
+    so it computes the same outputs and the same (whole) gradients, with no DTensor dispatch per operation.
     """
 
     def __init__(
@@ -111,7 +114,26 @@ class NoParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_mesh(device_mesh, self)
         distribute_params(module, device_mesh, {}, self.src_data_rank, buffers=True)
+        owners = [(m, kind, n) for m in module.modules() for kind in ("_parameters", "_buffers")
+                  for n, t in getattr(m, kind).items() if isinstance(t, DTensor)]
+        saved: list[list[tuple[nn.Module, str, str, DTensor]]] = []
+
+        def use_local(mod: nn.Module, args: tuple) -> None:
+            swapped = []
+            for owner, kind, name in owners:
+                t = getattr(owner, kind)[name]
+                if isinstance(t, DTensor):
+                    getattr(owner, kind)[name] = t.to_local()
+                    swapped.append((owner, kind, name, t))
+            saved.append(swapped)
+
+        def restore(mod: nn.Module, args: tuple, out: Any) -> None:
+            for owner, kind, name, t in saved.pop():
+                getattr(owner, kind)[name] = t
+
         _hook_inputs(module, lambda args: tuple(self._prepare_input(a, device_mesh) for a in args))
+        module.register_forward_pre_hook(use_local)
+        module.register_forward_hook(restore, always_call=True)
         module.register_forward_hook(lambda mod, args, out: _map_tensors(out, _output_converter(self, device_mesh)))
         return module
 
@@ -119,8 +141,10 @@ class NoParallel(ParallelStyle):
         if not isinstance(arg, torch.Tensor):
             return arg
         if not isinstance(arg, DTensor):
+            if isinstance(self.input_layout, Replicate):
+                return arg
             arg = DTensor.from_local(arg, mesh, (self.input_layout,), run_check=False)
-        return arg.redistribute(mesh, (Replicate(),))
+        return arg.redistribute(mesh, (Replicate(),)).to_local()
 
 
 class LocalParams(ParallelStyle):
@@ -212,9 +236,13 @@ class _SumGradOverMesh(torch.autograd.Function):
 
 
 def _output_converter(style: NoParallel, mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Replicated local outputs to ``output_layout`` (a local chunk for ``Shard``: no communication)."""
+
     def convert(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, DTensor):
+        if isinstance(style.output_layout, Replicate) and style.use_local_output:
             return t
+        if not isinstance(t, DTensor):
+            t = DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
         t = t.redistribute(mesh, (style.output_layout,))
         return t.to_local() if style.use_local_output else t
 
