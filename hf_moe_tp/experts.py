@@ -75,6 +75,10 @@ class GroupedExperts(nn.Module):
 
     ``score_before_experts``: scale each routed token by its weight before the experts instead of scaling the
     experts' outputs (Llama 4).
+
+    ``column_major``: store each expert's matrices transposed in memory (``w1[e]`` as (hidden, dim), as
+    ``nn.Linear`` and most checkpoints do), with the same logical shapes. Loading such checkpoints then copies
+    without transposing; the grouped-matmul kernel takes either layout at the same speed.
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class GroupedExperts(nn.Module):
         activation: ExpertActivation | None = None,
         bias: bool = False,
         score_before_experts: bool = False,
+        column_major: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -93,10 +98,12 @@ class GroupedExperts(nn.Module):
         self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
         self.activation = activation or ExpertActivation()
         self.score_before_experts = score_before_experts
+        self.column_major = column_major
         gated = self.activation.gated
 
         def param(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
+            layout = column_major and len(shape) == 3
+            return nn.Parameter(empty_weight(shape, layout, device=device, dtype=dtype))
 
         self.w1 = param(num_experts, dim, hidden)
         self.w3 = param(num_experts, dim, hidden) if gated else None
@@ -106,6 +113,21 @@ class GroupedExperts(nn.Module):
         self.b2 = param(num_experts, dim) if bias else None
         if self.w1.device.type != "meta":
             self.reset_parameters()
+
+    def store_column_major(self, column_major: bool = True) -> None:
+        """Re-lay ``w1``/``w3``/``w2`` in memory (values kept; meta stays meta). Before sharding only."""
+        for name in ("w1", "w3", "w2"):
+            p = getattr(self, name)
+            if p is None:
+                continue
+            if isinstance(p, DTensor):
+                raise RuntimeError(f"store_column_major on sharded {name}: call it before parallelize_module")
+            new = empty_weight(p.shape, column_major, device=p.device, dtype=p.dtype)
+            if p.device.type != "meta":
+                with torch.no_grad():
+                    new.copy_(p)
+            setattr(self, name, nn.Parameter(new, requires_grad=p.requires_grad))
+        self.column_major = column_major
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """Truncated-normal weights, zero biases (loading a checkpoint overwrites both)."""
@@ -154,7 +176,16 @@ class GroupedExperts(nn.Module):
             f"num_experts={self.num_experts}, dim={self.dim}, hidden={self.hidden}, "
             f"activation={self.activation}, bias={self.b1 is not None}"
             + (", score_before_experts=True" if self.score_before_experts else "")
+            + (", column_major=True" if self.column_major else "")
         )
+
+
+def empty_weight(shape: tuple[int, ...] | torch.Size, column_major: bool, **kwargs) -> torch.Tensor:
+    """``torch.empty(shape)``, or for ``column_major`` the same logical shape with the last two dims swapped
+    in memory."""
+    if not column_major:
+        return torch.empty(*shape, **kwargs)
+    return torch.empty(*shape[:-2], shape[-1], shape[-2], **kwargs).transpose(-1, -2)
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:

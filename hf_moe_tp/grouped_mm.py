@@ -10,16 +10,24 @@ _KERNEL = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_g
 def kernel_accepts(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``torch``'s grouped_mm kernel takes ``x`` (S, K) times ``w`` (G, K, N) as laid out.
 
-    The kernel wants one dtype, unit stride on the last dim and every other stride a multiple of 16 bytes
-    (K and N multiples of 4 in fp32, of 8 in bf16).
+    The kernel wants one dtype, a row-major ``x``, a row- or column-major ``w`` (each ``w[g]`` stored (K, N)
+    or (N, K)) and every stride but the unit one a multiple of 16 bytes (K and N multiples of 4 in fp32, of 8
+    in bf16).
     """
     if _KERNEL is None or x.dtype != w.dtype or x.dim() != 2 or w.dim() != 3:
         return False
     if x.device.type == "meta":
         return False
     size = x.element_size()
-    strides = (x.stride(0), w.stride(0), w.stride(1), w.size(2))
-    return x.stride(1) == 1 and w.stride(2) == 1 and all(s * size % 16 == 0 for s in strides)
+    if w.stride(2) == 1:
+        lead = w.stride(1)
+    elif w.stride(1) == 1:
+        lead = w.stride(2)
+    else:
+        return False
+    # K and N are also the row strides of the output and of the gradients the backward multiplies
+    strides = (x.stride(0), w.stride(0), lead, w.size(1), w.size(2))
+    return x.stride(1) == 1 and all(s * size % 16 == 0 for s in strides)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -22,14 +22,21 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from tqdm.auto import tqdm
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import WeightRenaming, rename_source_key
+from transformers.core_model_loading import (
+    Chunk,
+    Concatenate,
+    Split,
+    WeightConverter,
+    WeightRenaming,
+    rename_source_key,
+)
 
 from model_patches import adapter_for
 from model_patches.base import per_expert_names_from_conversions
 
 from .checkpoint import Checkpoint, CheckpointError
-from .experts import GroupedExperts
-from .sources import Box, Request, Source, identity
+from .experts import GroupedExperts, empty_weight
+from .sources import Axis, Box, Request, Source, identity
 
 # safetensors dtypes a floating parameter may be filled from (cast while copying)
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
@@ -153,6 +160,8 @@ def _model_keys(model: nn.Module, keys: list[str]) -> dict[str, str]:
     out = {}
     for key in keys:
         renamed, _ = rename_source_key(key, renamings, [], prefix, names)
+        if renamed not in names and key in names:  # as transformers: a renaming that misfired (``.norm.``)
+            renamed, _ = rename_source_key(key, [], [], prefix, names)
         out[renamed] = key
     return out
 
@@ -177,10 +186,78 @@ def _sources(model: nn.Module, targets: dict[str, torch.Tensor], shapes: dict[st
         layout = getattr(module, "checkpoint_layout", None)
         if isinstance(module, GroupedExperts) and layout is not None:
             sources.update(adapter.expert_sources(prefix, layout, shapes, per_expert))
+    for name, srcs in _converted_sources(model, targets, shapes).items():
+        sources.setdefault(name, srcs)
     for name in targets:
         if name not in sources and name in shapes:
             sources[name] = [identity(name, shapes[name])]
     return sources
+
+
+def _converted_sources(model: nn.Module, targets: dict[str, torch.Tensor], shapes: dict[str, tuple]
+                       ) -> dict[str, list[Source]]:
+    """Sources of parameters that transformers' conversion mapping fuses from several checkpoint tensors
+    (``Concatenate``: Kimi-Linear's and Bailing's ``q/k/v_conv1d`` into ``conv1d``) or splits from one (``Split``,
+    ``Chunk``: Lara-Mini's ``in_proj`` into ``in_proj_qkv/z/b/a``): each checkpoint tensor fills its range of the
+    parameter, so a rank still reads only the part of each tensor its shard needs. ``shapes`` holds checkpoint
+    tensors under their renamed names (:func:`_model_keys`); converters of other operations (the experts'
+    ``MergeModulelist``) are left to the adapters."""
+    converters = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightConverter)]
+    prefix = getattr(model, "base_model_prefix", None)
+    groups: dict[tuple[int, str], list[tuple[int, str]]] = {}
+    for name in shapes:
+        if name in targets:
+            continue
+        for conv in converters:
+            target, pattern = conv.rename_source_key(name)
+            if pattern is None:
+                continue
+            ops = getattr(conv, "operations", [])
+            if (len(ops) == 1 and type(ops[0]) in (Concatenate, Split, Chunk)
+                    and getattr(ops[0], "num_shards_attribute", None) is None):
+                target = _with_prefix(target, targets, prefix)
+                groups.setdefault((converters.index(conv), target), []).append(
+                    (conv.source_patterns.index(pattern), name))
+            break  # transformers applies at most one converter per key
+    out: dict[str, list[Source]] = {}
+    for (index, target), pieces in groups.items():
+        conv = converters[index]
+        op = conv.operations[0]
+        if isinstance(op, Concatenate):  # several checkpoint tensors -> one parameter, in source-pattern order
+            if target not in targets:
+                continue
+            dim = op.dim % len(targets[target].shape)
+            at, srcs = 0, []
+            for _, name in sorted(pieces):
+                shape = tuple(shapes[name])
+                dims = tuple(Axis(i, at=at, size=shape[i]) if i == dim else Axis(i) for i in range(len(shape)))
+                srcs.append(Source(name, dims, shape))
+                at += shape[dim]
+            out[target] = srcs
+        else:  # one checkpoint tensor -> one parameter per target pattern, in order
+            for _, name in pieces:
+                shape = tuple(shapes[name])
+                dim = op.dim % len(shape)
+                names = [target.replace(conv.target_patterns[0], t) for t in conv.target_patterns]
+                if not all(n in targets for n in names):
+                    continue
+                sizes = ([targets[n].shape[dim] for n in names] if isinstance(op, Split)
+                         else [shape[dim] // len(names)] * len(names))
+                start = 0
+                for n, size in zip(names, sizes, strict=True):
+                    dims = tuple(Axis(i, start=start) if i == dim else Axis(i) for i in range(len(shape)))
+                    out[n] = [Source(name, dims, shape)]
+                    start += size
+    return out
+
+
+def _with_prefix(name: str, targets: dict, prefix: str | None) -> str:
+    """``name`` with the base model prefix stripped or added where that makes it a model name."""
+    if name in targets or not prefix:
+        return name
+    if name.startswith(f"{prefix}.") and name[len(prefix) + 1:] in targets:
+        return name[len(prefix) + 1:]
+    return f"{prefix}.{name}" if f"{prefix}.{name}" in targets else name
 
 
 def _check(targets, sources, shapes, to_ckpt, ckpt: Checkpoint, unexpected: list[str], model_type: str) -> None:
@@ -229,13 +306,17 @@ def _materialize(owners: dict, name: str, tensor: torch.Tensor, device: torch.de
     """Allocate a meta tensor's local shard in every module that holds it; return the tensor to fill."""
     if _local(tensor).device.type != "meta":
         return tensor
-    if isinstance(tensor, DTensor):
-        local = torch.empty(tensor.to_local().shape, dtype=tensor.dtype, device=device)
-        new = DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
-                                 shape=tensor.shape, stride=tensor.stride())
-    else:
-        new = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
     holders = owners[id(tensor)]
+    # GroupedExperts stored column-major keep that layout (the checkpoint's, so reads copy without transposing)
+    column_major = tensor.dim() == 3 and any(getattr(m, "column_major", False) and a in ("w1", "w2", "w3")
+                                             for m, a, _ in holders)
+    if isinstance(tensor, DTensor):
+        local = empty_weight(tensor.to_local().shape, column_major, dtype=tensor.dtype, device=device)
+        stride = empty_weight(tensor.shape, column_major, device="meta").stride()
+        new = DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
+                                 shape=tensor.shape, stride=stride)
+    else:
+        new = empty_weight(tensor.shape, column_major, dtype=tensor.dtype, device=device)
     if holders[0][2]:
         new = nn.Parameter(new, requires_grad=tensor.requires_grad)
     for module, attr, is_param in holders:

@@ -120,6 +120,10 @@ def meta_model(config: PretrainedConfig, model_class: type | None = None, dtype:
         model = cls.from_config(config, **kwargs) if hasattr(cls, "from_config") else cls._from_config(config, **kwargs)
     model.tie_weights()  # transformers ties after loading; the plan needs the ties now
     adapter_for(model).swap_experts(model)
+    for module in model.modules():
+        layout = getattr(module, "checkpoint_layout", None)
+        if isinstance(module, GroupedExperts) and layout is not None and not layout.transposed:
+            module.store_column_major()  # the checkpoint's (out, in) orientation: loading copies, never transposes
     return model
 
 

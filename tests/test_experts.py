@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
 
 import pytest
@@ -118,6 +119,32 @@ def test_kernel_when_aligned_loop_otherwise(monkeypatch, dtype, hidden, kernel):
     index, weights = routing(TOKENS, EXPERTS, TOP_K)
     m(torch.randn(TOKENS, DIM).to(dtype), index, weights)
     assert len(calls) == (3 if kernel else 0)
+
+
+@pytest.mark.parametrize("dtype,hidden,kernel", [(torch.float32, 32, True), (torch.float32, 18, False),
+                                                 (torch.bfloat16, 32, True)])
+def test_column_major_storage(monkeypatch, dtype, hidden, kernel):
+    """Weights stored transposed in memory (the checkpoint's orientation): same outputs and gradients, the
+    kernel still used where aligned, gradients in the parameters' layout."""
+    calls = []
+    real = gmm._KERNEL
+    monkeypatch.setattr(gmm, "_KERNEL", lambda *a, **k: calls.append(1) or real(*a, **k))
+    m = grouped_experts(EXPERTS, DIM, hidden, dtype=dtype)
+    col = copy.deepcopy(m)
+    col.store_column_major()
+    assert col.w1.stride(1) == 1 and col.w2.stride(1) == 1 and torch.equal(col.w1, m.w1)
+    index, weights = routing(TOKENS, EXPERTS, TOP_K)
+    x, g = torch.randn(TOKENS, DIM).to(dtype), torch.randn(TOKENS, DIM).to(dtype)
+    outs = []
+    for module in (m, col):
+        y = module(x, index, weights)
+        (y * g).sum().backward()
+        outs.append((y, {n: p.grad for n, p in module.named_parameters()}))
+    assert torch.equal(outs[0][0], outs[1][0])
+    for n, grad in outs[0][1].items():
+        assert (grad.float() - outs[1][1][n].float()).abs().max() <= 1e-5 * grad.float().abs().max(), n
+    assert col.w1.grad.stride() == col.w1.stride()
+    assert len(calls) == (6 if kernel else 0)  # 3 grouped matmuls per forward, both layouts
 
 
 @pytest.mark.parametrize("hidden", [32, 18])
