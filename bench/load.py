@@ -5,8 +5,9 @@
 
 Makes the checkpoint once (hub per-expert format written by save_pretrained, several shard files with an
 index), then loads it ``--repeats`` times with each loader, every load in fresh processes, the loaders
-interleaved. Per rank it prints the median wall time, peak resident memory, growth of private (anonymous)
-memory against the checkpoint's size, and the ratios to the references. The page cache is warm after the
+interleaved. Per rank it prints the median wall time, peak resident memory, the peak growth of private
+(anonymous) memory and of file-backed resident pages (checkpoint pages mapped and touched) while loading,
+sampled every 10 ms, each against the checkpoint's size, and the ratios to the references. The page cache is warm after the
 first load. DCP reads the same per-rank boxes of the checkpoint's own tensors (expert weights split along
 their hidden size, attention by heads, embeddings by vocabulary) into DTensors: the speed of reading alone.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -38,21 +40,44 @@ def make_checkpoint(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
-def anonymous_kib() -> int:
-    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-        if line.startswith("Anonymous:"):
-            return int(line.split()[1])
-    return 0
+def memory_kib() -> tuple[int, int]:
+    """(private anonymous, file-backed resident) KiB of this process, from /proc/self/smaps_rollup."""
+    fields = {}
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]:
+        name, value = line.split(":", 1)
+        fields[name] = int(value.split()[0])
+    return fields["Anonymous"], fields["Rss"] - fields["Anonymous"] - fields.get("Pss_Shmem", 0)
 
 
 def measure(load) -> dict:
-    anon = anonymous_kib()
+    """Wall time of ``load()``, and the peak growth of private and of file-backed memory while it runs,
+    sampled every 10 ms (the loaded model is kept until the sampling ends, so its memory counts)."""
+    base_anon, base_file = memory_kib()
+    peak = [0, 0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while True:
+            anon, file = memory_kib()
+            peak[0], peak[1] = max(peak[0], anon - base_anon), max(peak[1], file - base_file)
+            if done.wait(0.01):
+                return
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     start = time.perf_counter()
-    local_bytes = load()
+    model, local_bytes = load()
+    wall = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    anon, file = memory_kib()
+    peak[0], peak[1] = max(peak[0], anon - base_anon), max(peak[1], file - base_file)
+    del model
     return {
-        "wall_s": time.perf_counter() - start,
+        "wall_s": wall,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "anon_growth_mib": (anonymous_kib() - anon) / 1024,
+        "anon_growth_mib": peak[0] / 1024,
+        "file_pages_mib": peak[1] / 1024,
         "local_param_mib": local_bytes / 2**20,
     }
 
@@ -62,7 +87,7 @@ def load_hf_moe_tp(path: str) -> dict:
 
     def load():
         model = hf_moe_tp.from_pretrained(path)
-        return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        return model, sum(p.to_local().numel() * p.element_size() for p in model.parameters())
 
     return measure(load)
 
@@ -72,8 +97,8 @@ def load_transformers(path: str) -> dict:
 
     def load():
         model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
-        return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
-                   for p in model.parameters())
+        return model, sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                          for p in model.parameters())
 
     return measure(load)
 
@@ -108,7 +133,7 @@ def load_dcp(path: str) -> dict:
     def load():
         state = {k: dtensor_empty(*shape, device_mesh=mesh, placements=[placement(k)]) for k, shape in shapes.items()}
         dcp.load(state, storage_reader=HuggingFaceStorageReader(path))
-        return sum(t.to_local().numel() * t.element_size() for t in state.values())
+        return state, sum(t.to_local().numel() * t.element_size() for t in state.values())
 
     return measure(load)
 
@@ -135,12 +160,13 @@ def main() -> None:
             runs[name].append(run_on_ranks(fn, args.tp, str(args.dir), timeout=900))
     medians = {name: [{k: statistics.median(run[rank][k] for run in rs) for k in rs[0][rank]}
                       for rank in range(args.tp)] for name, rs in runs.items()}
-    print(f"{'loader':<27} {'rank':>4} {'wall s':>7} {'peak RSS MiB':>13} {'private growth MiB':>19} "
-          f"{'of ckpt':>8} {'params MiB':>11}")
+    print(f"{'loader':<27} {'rank':>4} {'wall s':>7} {'peak RSS MiB':>13} {'peak private growth MiB':>24} "
+          f"{'of ckpt':>8} {'file pages MiB':>15} {'of file':>8} {'params MiB':>11}")
     for name, ranks in medians.items():
         for rank, m in enumerate(ranks):
-            print(f"{name:<27} {rank:>4} {m['wall_s']:>7.2f} {m['peak_rss_mib']:>13.0f} {m['anon_growth_mib']:>19.0f} "
-                  f"{m['anon_growth_mib'] * 2**20 / size:>8.2f} {m['local_param_mib']:>11.0f}")
+            print(f"{name:<27} {rank:>4} {m['wall_s']:>7.2f} {m['peak_rss_mib']:>13.0f} {m['anon_growth_mib']:>24.0f} "
+                  f"{m['anon_growth_mib'] * 2**20 / size:>8.2f} {m['file_pages_mib']:>15.0f} "
+                  f"{m['file_pages_mib'] * 2**20 / size:>8.2f} {m['local_param_mib']:>11.0f}")
     ours = medians["hf_moe_tp"]
     for ref in ("transformers tp_plan=auto", "torch DCP (HF reader)"):
         ratios = [ours[r]["wall_s"] / medians[ref][r]["wall_s"] for r in range(args.tp)]
