@@ -1,10 +1,12 @@
 """Run the bench/load.py Mixtral-shaped model at TP=2: hf_moe_tp against transformers' native ``tp_plan="auto"``,
 inference forward and a training step, fp32 and bf16, tokens per second, and collectives per forward.
 
-    python bench/forward.py [--batch 4] [--seq 512] [--repeats 5] [--tp 2]
+    python bench/forward.py [--batch 4] [--seq 512] [--repeats 5] [--tp 2] [--layer-only]
 
 Both models load the same files (bench/load.py makes them). Each measurement is the median of ``--repeats``
-runs after one warm-up, on every rank; collectives are counted on one forward.
+runs after one warm-up, on every rank; collectives are counted on one forward. First, one MoE layer: the
+first layer's TensorParallel experts against the least work the same computation needs on this rank's shards
+(raw grouped matmuls and one all-reduce), interleaved.
 """
 
 from __future__ import annotations
@@ -100,6 +102,48 @@ def bench_rank(path: str, which: str, dtype_name: str, batch: int, seq: int, rep
             "train_error": train_error}
 
 
+def layer_rank(path: str, dtype_name: str, tokens: int, repeats: int) -> dict:
+    """One MoE layer at TP=2: hf_moe_tp's TensorParallel GroupedExperts (hooks included) against the least work
+    the same computation needs: sort, three raw grouped matmuls on this rank's shards, weight, unsort, sum and
+    one all-reduce of the output."""
+    import torch.distributed as dist
+
+    import hf_moe_tp
+
+    dtype = getattr(torch, dtype_name)
+    model = hf_moe_tp.from_pretrained(path, dtype=dtype)
+    experts = next(m for m in model.modules() if isinstance(m, hf_moe_tp.GroupedExperts))
+    w1, w3, w2 = (getattr(experts, n).to_local() for n in ("w1", "w3", "w2"))
+    config = model.config
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, config.hidden_size, generator=g).to(dtype)
+    index = torch.rand(tokens, config.num_local_experts, generator=g).topk(config.num_experts_per_tok, -1).indices
+    weights = torch.rand(tokens, config.num_experts_per_tok, generator=g).softmax(-1)
+    kernel = torch._grouped_mm
+
+    def raw() -> torch.Tensor:
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        offsets = torch.cumsum(torch.bincount(flat, minlength=w1.shape[0]), 0, dtype=torch.int32)
+        rows = x[order // index.shape[1]]
+        h = torch.nn.functional.silu(kernel(rows, w1, offs=offsets)) * kernel(rows, w3, offs=offsets)
+        out = kernel(h, w2, offs=offsets) * weights.reshape(-1)[order].unsqueeze(-1)
+        out = out.new_empty(out.shape).index_copy(0, order, out)
+        out = out.view(tokens, -1, out.shape[-1]).sum(1).to(dtype)
+        dist.all_reduce(out)
+        return out
+
+    with torch.no_grad():
+        same = (raw() - experts(x, index, weights)).abs().max().item()
+        times = {"raw": [], "hf_moe_tp": []}
+        for _ in range(repeats + 1):  # interleaved; the first round warms up
+            for name, fn in (("raw", raw), ("hf_moe_tp", lambda: experts(x, index, weights))):
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t[1:]) for name, t in times.items()} | {"max_diff": same}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
@@ -108,10 +152,19 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--layer-only", action="store_true", help="only the one-MoE-layer comparison")
     args = p.parse_args()
     if not (args.dir / "config.json").is_file():
         raise SystemExit(f"{args.dir} is missing: run bench/load.py first (it makes the checkpoint)")
     print(f"{args.dir.name}, TP={args.tp}, batch {args.batch} x {args.seq} tokens, median of {args.repeats}")
+    tokens = args.batch * args.seq
+    for dtype in args.dtypes:
+        r = run_on_ranks(layer_rank, args.tp, str(args.dir), dtype, tokens, max(args.repeats, 5), timeout=3600)[0]
+        print(f"\n{dtype}: one MoE layer's experts, {tokens} tokens: hf_moe_tp {r['hf_moe_tp'] * 1e3:.1f} ms, raw "
+              f"grouped_mm on the local shards + one all-reduce {r['raw'] * 1e3:.1f} ms: "
+              f"{r['hf_moe_tp'] / r['raw']:.2f}x (outputs differ by {r['max_diff']:.1e})")
+    if args.layer_only:
+        return
     for dtype in args.dtypes:
         results = {}
         for which in ("hf_moe_tp", "transformers tp_plan=auto"):
