@@ -7,9 +7,10 @@ Makes the checkpoint once (hub per-expert format written by save_pretrained, sev
 index), then loads it ``--repeats`` times with each loader, every load in fresh processes, the loaders
 interleaved. Per rank it prints the median wall time, peak resident memory, the peak growth of private
 (anonymous) memory and of file-backed resident pages (checkpoint pages mapped and touched) while loading,
-sampled every 10 ms, each against the checkpoint's size, and the ratios to the references. The page cache is warm after the
-first load. DCP reads the same per-rank boxes of the checkpoint's own tensors (expert weights split along
-their hidden size, attention by heads, embeddings by vocabulary) into DTensors: the speed of reading alone.
+sampled every 10 ms, each against the checkpoint's size, and the ratios to the references. The page cache
+is warm after the first load. DCP reads the same per-rank boxes of the checkpoint's own tensors (expert
+weights split along their hidden size, attention by heads, embeddings by vocabulary) into DTensors: the speed
+of reading alone.
 """
 
 from __future__ import annotations
