@@ -9,6 +9,7 @@ rank, so a bad checkpoint raises everywhere instead of leaving ranks waiting.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -25,6 +26,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     Chunk,
     Concatenate,
+    Interleave,
     Split,
     WeightConverter,
     WeightRenaming,
@@ -181,17 +183,54 @@ def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
 def _sources(model: nn.Module, targets: dict[str, torch.Tensor], shapes: dict[str, tuple]) -> dict[str, list[Source]]:
     adapter = adapter_for(model)
     per_expert = per_expert_names_from_conversions(get_model_conversion_mapping(model))
+    aliases = _packed_aliases(model, shapes)
     sources: dict[str, list[Source]] = {}
     for prefix, module in model.named_modules():
         layout = getattr(module, "checkpoint_layout", None)
         if isinstance(module, GroupedExperts) and layout is not None:
-            sources.update(adapter.expert_sources(prefix, layout, shapes, per_expert))
-    for name, srcs in _converted_sources(model, targets, shapes).items():
+            view, renamed = dict(shapes), {}
+            for packed in (f"{prefix}.gate_up_proj", f"{prefix}.down_proj"):
+                if packed in aliases:
+                    name, interleave = aliases[packed]
+                    view[packed], renamed[packed] = shapes[name], name
+                    if interleave:  # the checkpoint's gate/up halves interleave where the model's concatenate
+                        layout = dataclasses.replace(layout, concatenated=not layout.concatenated)
+            found = adapter.expert_sources(prefix, layout, view, per_expert)
+            sources.update({name: [dataclasses.replace(s, key=renamed.get(s.key, s.key)) for s in srcs]
+                            for name, srcs in found.items()})
+    for name, srcs in {**_converted_sources(model, targets, shapes),
+                       **adapter.extra_sources(model, targets, shapes)}.items():
         sources.setdefault(name, srcs)
     for name in targets:
         if name not in sources and name in shapes:
             sources[name] = [identity(name, shapes[name])]
     return sources
+
+
+def _packed_aliases(model: nn.Module, shapes: dict[str, tuple]) -> dict[str, tuple[str, bool]]:
+    """Packed expert tensors that transformers' conversion mapping converts rather than renames: de-interleaved
+    into ``gate_up_proj`` (``Interleave`` along the gate/up dim: Inkling2's ``w13_weight``), or dequantized where
+    the checkpoint holds the weight alone (float, no scales: the identity). Model name -> (renamed checkpoint
+    name, whether gate and up interleave)."""
+    converters = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightConverter)]
+    groups: dict[tuple[int, str], list[str]] = {}
+    for name in shapes:
+        for i, conv in enumerate(converters):
+            target, pattern = conv.rename_source_key(name)
+            if pattern is not None:
+                groups.setdefault((i, target), []).append(name)
+                break
+    out = {}
+    for (i, target), names in groups.items():
+        ops = list(getattr(converters[i], "operations", []))
+        interleave = bool(ops) and isinstance(ops[-1], Interleave)
+        if interleave:
+            ops.pop()
+        dequantize = all("Dequantize" in type(op).__name__ for op in ops) and (not ops or len(names) == 1)
+        packed = target.endswith("experts.gate_up_proj") or target.endswith("experts.down_proj")
+        if packed and dequantize and (interleave or ops) and not (interleave and target.endswith("down_proj")):
+            out[target] = (names[0], interleave)
+    return out
 
 
 def _converted_sources(model: nn.Module, targets: dict[str, torch.Tensor], shapes: dict[str, tuple]

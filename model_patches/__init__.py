@@ -12,6 +12,7 @@ from .base import Adapter
 from .beam import BeamAdapter
 from .deepseek_v4 import DeepseekV4Adapter
 from .gpt_oss import GptOssAdapter
+from .inkling2_loop import Inkling2LoopAdapter
 from .llama4 import Llama4Adapter
 from .minimax_m3_vl import MiniMaxM3VLAdapter
 
@@ -20,6 +21,8 @@ FAMILIES: dict[str, Adapter] = {
     "beam": BeamAdapter(),
     "deepseek_v4": DeepseekV4Adapter(),
     "gpt_oss": GptOssAdapter(),
+    "inkling2_loop": Inkling2LoopAdapter(),
+    "inkling2_loop_text": Inkling2LoopAdapter(),
     "llama4_text": Llama4Adapter(),
     "llama4": Llama4Adapter(),
     "minimax_m3_vl": MiniMaxM3VLAdapter(),

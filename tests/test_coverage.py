@@ -3,8 +3,10 @@ family of the installed transformers with ``pytest -m coverage``.
 
 The subset takes families that tests/test_loading.py does not already cover and that pass in docs/models.md:
 transposed experts without biases (aria), a multimodal family's text decoder with its own family module and
-activation (minimax_m3_vl), and a hub-style per-expert family (flex_olmo). The transposed-with-bias
-(openai_privacy_filter), ungated (nemotron_h) and Qwen3-VL text-decoder cases fail today (docs/models.md).
+activation (minimax_m3_vl), a hub-style per-expert family (flex_olmo), MLA attention split by heads, whose
+rotary key gradient is summed (deepseek_v2, transformers' ``mla_kv_a_proj``), a text decoder whose per-head
+norms transformers' plan leaves out (qwen3_vl_moe), and a checkpoint whose q/k/v convolutions transformers
+concatenates into one parameter (kimi_linear, a ``Concatenate`` conversion read piece by piece).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBSET = ["aria", "minimax_m3_vl", "flex_olmo"]
+SUBSET = ["aria", "minimax_m3_vl", "flex_olmo", "deepseek_v2", "qwen3_vl_moe", "kimi_linear"]
 
 
 def _cov():
