@@ -81,6 +81,9 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, 
                 plan[name] = HF_STYLES[style_name]()
     from model_patches import adapter_for
 
+    from .hf_plan import entries
+
+    plan.update(entries(model, tp_size))
     plan.update(adapter_for(model).plan_entries(model, tp_size))
     plan.update(sink_entries(model, plan))
     for name, module in modules.items():
@@ -172,18 +175,19 @@ def _style_for(name: str, plan: dict[str, ParallelStyle]) -> ParallelStyle | Non
     if name in plan:
         return plan[name]
     for pattern, style in plan.items():
-        if "*" in pattern and _matches(name, pattern):
+        if "*" in pattern and matches(name, pattern):
             return style
     return None
 
 
-def _matches(name: str, pattern: str) -> bool:
-    """``*`` stands for one name atom, as in ``parallelize_module``'s plans."""
+def matches(name: str, pattern: str) -> bool:
+    """Whether module ``name`` matches plan key ``pattern``: ``*`` stands for one name atom, as in transformers'
+    and ``parallelize_module``'s plans."""
     return fnmatch.fnmatchcase(name, pattern) and name.count(".") == pattern.count(".")
 
 
 def _match(pattern: str, modules: dict[str, nn.Module]) -> list[str]:
-    return [n for n in modules if _matches(n, pattern)]
+    return [n for n in modules if matches(n, pattern)]
 
 
 def _inside_experts(name: str, modules: dict[str, nn.Module]) -> bool:
@@ -199,13 +203,18 @@ def _is_embedding_or_head(name: str, model: nn.Module) -> bool:
 
 
 def heads_divide(config, tp_size: int | None) -> bool:
-    """Whether attention heads (query and key/value) split evenly over ``tp_size`` ranks."""
+    """Whether attention heads (query and key/value) split evenly over ``tp_size`` ranks, in every layer of a
+    per-layer (heterogeneous) config."""
     if tp_size is None:
         return True
     text = getattr(config, "get_text_config", lambda: config)()
-    heads = getattr(text, "num_attention_heads", None)
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    return heads is not None and heads % tp_size == 0 and kv % tp_size == 0
+    layers = list(text.per_layer_config) if getattr(text, "is_heterogeneous", False) else [text]
+    for layer in layers:
+        heads = getattr(layer, "num_attention_heads", None)
+        kv = getattr(layer, "num_key_value_heads", None) or heads
+        if heads is None or heads % tp_size or kv % tp_size:
+            return False
+    return True
 
 
 def _divides(name: str, module: nn.Module, style_name: str, config, tp_size: int) -> bool:

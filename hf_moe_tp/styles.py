@@ -193,6 +193,30 @@ class LocalParams(ParallelStyle):
         return module
 
 
+class MlaKvAProj(LocalParams):
+    """transformers' ``mla_kv_a_proj``: ``kv_a_proj_with_mqa`` stays whole (computed locally), and the last
+    ``rope_dim`` features of its output (the rotary key shared by all heads, which reaches the split attention
+    without passing a column-wise layer) get their gradient, a partial sum over this rank's heads, summed."""
+
+    def __init__(self, rope_dim: int) -> None:
+        super().__init__(sum_grads=False)
+        self.rope_dim = rope_dim
+
+    def __repr__(self) -> str:
+        return f"MlaKvAProj(rope_dim={self.rope_dim})"
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        group, rope = device_mesh.get_group(), self.rope_dim
+
+        def reduce_rope_grad(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+            kv, k_rot = out.split([out.shape[-1] - rope, rope], dim=-1)
+            return torch.cat([kv, _SumGradOverMesh.apply(k_rot, group)], dim=-1)
+
+        module.register_forward_hook(reduce_rope_grad)
+        return module
+
+
 def swap_to_local(root: nn.Module, params: list[tuple[nn.Module, str]]) -> None:
     """During ``root``'s forward, let every listed DTensor parameter appear as its local tensor.
 

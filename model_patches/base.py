@@ -12,7 +12,6 @@ tensors fill it (:class:`hf_moe_tp.sources.Source`). Family modules subclass it 
 from __future__ import annotations
 
 import copy
-import fnmatch
 import functools
 import re
 from collections.abc import Callable
@@ -21,15 +20,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
 from transformers.activations import ACT2CLS
 from transformers.integrations.moe import _default_apply_gate
 
 from hf_moe_tp.experts import ExpertActivation, GroupedExperts
-from hf_moe_tp.plans import heads_divide
 from hf_moe_tp.sources import Axis, Source
-from hf_moe_tp.styles import LocalParams
 
 
 @dataclass(frozen=True)
@@ -106,12 +101,8 @@ class Adapter:
                               bias=layout.bias, device=p.device, dtype=p.dtype)
 
     def plan_entries(self, model: nn.Module, tp_size: int | None) -> dict:
-        """Styles this family needs beyond transformers' plan (module name -> ParallelStyle): by default the
-        styles of transformers' plan that ``hf_moe_tp.plans`` does not translate (``mla_kv_a_proj``), and the
-        per-head norms some families' plans leave out."""
-        return {**mla_entries(model, tp_size), **head_norm_entries(model, tp_size),
-                **local_params_entries(model, tp_size), **unpaired_rowwise_entries(model, tp_size),
-                **nested_entries(model, tp_size)}
+        """Styles this family needs beyond transformers' plan and its translation (module name -> ParallelStyle)."""
+        return {}
 
     # ---- checkpoint side ---------------------------------------------------------------------------------
     def extra_sources(self, model: nn.Module, targets: dict, shapes: dict[str, tuple[int, ...]]
@@ -261,169 +252,3 @@ def activation_name(fn: nn.Module | Callable) -> str:
         if isinstance(cls, tuple) and type(fn) is cls[0] and all(getattr(fn, k, v) == v for k, v in cls[1].items()):
             return name
     raise NotImplementedError(f"activation {type(fn).__name__} is not in transformers' ACT2CLS")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# MLA attention (DeepSeek-V2 style): the rotary key part bypasses the column-wise kv_b_proj
-# ---------------------------------------------------------------------------------------------------------
-class _SumGrad(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the group's ranks."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        grad = grad.contiguous().clone()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class MlaKvAProj(LocalParams):
-    """transformers' ``mla_kv_a_proj``: ``kv_a_proj_with_mqa`` stays whole (computed locally), and the last
-    ``rope_dim`` features of its output (the rotary key shared by all heads, which reaches the split attention
-    without passing a column-wise layer) get their gradient, a partial sum over this rank's heads, summed."""
-
-    def __init__(self, rope_dim: int) -> None:
-        super().__init__(sum_grads=False)
-        self.rope_dim = rope_dim
-
-    def __repr__(self) -> str:
-        return f"MlaKvAProj(rope_dim={self.rope_dim})"
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module = super()._apply(module, device_mesh)
-        group, rope = device_mesh.get_group(), self.rope_dim
-
-        def reduce_rope_grad(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-            kv, k_rot = out.split([out.shape[-1] - rope, rope], dim=-1)
-            return torch.cat([kv, _SumGrad.apply(k_rot, group)], dim=-1)
-
-        module.register_forward_hook(reduce_rope_grad)
-        return module
-
-
-def _matches(name: str, pattern: str) -> bool:
-    """``*`` stands for one name atom, as in transformers' and ``parallelize_module``'s plans."""
-    return fnmatch.fnmatchcase(name, pattern) and name.count(".") == pattern.count(".")
-
-
-def head_norm_entries(model: nn.Module, tp_size: int | None) -> dict:
-    """Per-head norms (``q_norm``/``k_norm`` of ``head_dim`` weights) of attention whose ``q_proj`` transformers'
-    plan splits column-wise, where that plan leaves them out (Qwen3-VL-MoE, Qwen3-Omni-MoE): each rank
-    normalizes only its heads, so the norm computes locally and its weight's gradient is summed over the mesh
-    (transformers' ``replicated_with_grad_allreduce``)."""
-    if tp_size is None or tp_size == 1 or not heads_divide(model.config, tp_size):
-        return {}
-    plan = getattr(model, "_tp_plan", None) or {}
-    colwise = [p for p, st in plan.items() if st == "colwise"]
-    out = {}
-    for name, module in model.named_modules():
-        q = getattr(module, "q_proj", None)
-        head_dim = getattr(module, "head_dim", None)
-        if not isinstance(q, nn.Linear) or not head_dim or not any(_matches(f"{name}.q_proj", p) for p in colwise):
-            continue
-        for child_name, child in module.named_children():
-            full = f"{name}.{child_name}"
-            if isinstance(child, nn.Linear) or any(_matches(full, p) for p in plan):
-                continue
-            params = list(child.parameters(recurse=False))
-            if params and all(p.dim() == 1 and p.shape[0] == head_dim for p in params):
-                out[full] = LocalParams()
-    return out
-
-
-def nested_entries(model: nn.Module, tp_size: int | None) -> dict:
-    """Linear or embedding layers of transformers' plan that hold submodules with parameters (Inkling's
-    ``embed_tokens`` with its ``embed_norm``): torch's column- and row-wise styles cannot split those (they
-    re-register nested parameters by dotted name), so they stay whole (replicated)."""
-    if tp_size is None or tp_size == 1:
-        return {}
-    plan = getattr(model, "_tp_plan", None) or {}
-    split = ("colwise", "rowwise", "embedding_rowwise", "colwise_gather_output", "rowwise_split_input")
-    out = {}
-    for pattern, style in plan.items():
-        if style not in split:
-            continue
-        for name, module in model.named_modules():
-            if _matches(name, pattern) and any(True for c in module.children() for _ in c.parameters()):
-                out[name] = LocalParams(sum_grads=False)
-    return out
-
-
-def unpaired_rowwise_entries(model: nn.Module, tp_size: int | None) -> dict:
-    """Row-wise entries of transformers' plan that reach a layer whose inputs nothing splits: a pattern such as
-    ``layers.*.self_attn.o_proj`` also matches the output projection of linear-attention layers (GLM-5-Next's
-    KDA), whose q/k/v projections no column-wise entry names. Such a projection stays whole (replicated)."""
-    if tp_size is None or tp_size == 1:
-        return {}
-    plan = getattr(model, "_tp_plan", None) or {}
-    colwise = [p for p, st in plan.items() if st == "colwise"]
-    modules = dict(model.named_modules())
-    out = {}
-    for pattern, style in plan.items():
-        if style != "rowwise":
-            continue
-        for name, module in modules.items():
-            if not (_matches(name, pattern) and isinstance(module, nn.Linear)):
-                continue
-            parent = modules.get(name.rpartition(".")[0]) if "." in name else model
-            prefix = f"{name.rpartition('.')[0]}." if "." in name else ""
-            if not any(_matches(prefix + child, p) for child, _ in parent.named_children() for p in colwise):
-                out[name] = LocalParams(sum_grads=False)
-    return out
-
-
-def local_params_entries(model: nn.Module, tp_size: int | None) -> dict:
-    """transformers' ``local_params`` on an attention module whose own parameters (attention sinks, a gate bias)
-    the plan splits by name (``layers.*.self_attn.sinks: colwise``): they split with the heads, as local shards
-    of the module's forward, where the heads are split."""
-    if tp_size is None or tp_size == 1 or not heads_divide(model.config, tp_size):
-        return {}
-    plan = getattr(model, "_tp_plan", None) or {}
-    out = {}
-    for pattern, style in plan.items():
-        if style != "local_params":
-            continue
-        for name, module in model.named_modules():
-            if not _matches(name, pattern):
-                continue
-            placements = {}
-            for pname, p in module.named_parameters(recurse=False):
-                split = [st for pat, st in plan.items() if _matches(f"{name}.{pname}", pat)]
-                dim = {"colwise": 0, "rowwise": 1}.get(split[0] if split else "")
-                if dim is not None and dim < p.dim() and p.shape[dim] % tp_size == 0:
-                    placements[pname] = Shard(dim)
-            if placements:
-                out[name] = LocalParams(placements=placements, sum_grads=False)
-    return out
-
-
-def mla_entries(model: nn.Module, tp_size: int | None) -> dict:
-    """``MlaKvAProj`` for the modules transformers' plan marks ``mla_kv_a_proj``, where the attention they feed
-    is split (its heads divide and a column-wise ``kv_b_proj`` sibling splits evenly)."""
-    if tp_size is None or tp_size == 1 or not heads_divide(model.config, tp_size):
-        return {}
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    try:
-        default_rope = getattr(text, "qk_rope_head_dim", None)
-    except Exception:  # noqa: BLE001 - a per-layer attribute of a heterogeneous config: read per module
-        default_rope = None
-    plan = getattr(model, "_tp_plan", None) or {}
-    modules = dict(model.named_modules())
-    out = {}
-    for pattern, style in plan.items():
-        if style != "mla_kv_a_proj":
-            continue
-        for name in modules:
-            if not _matches(name, pattern):
-                continue
-            parent = name.rpartition(".")[0]
-            sibling = modules.get(f"{parent}.kv_b_proj" if parent else "kv_b_proj")
-            split = [p for p, st in plan.items() if st == "colwise" and p.endswith(".kv_b_proj")]
-            rope_dim = getattr(modules.get(parent), "qk_rope_head_dim", None) or default_rope
-            if rope_dim and isinstance(sibling, nn.Linear) and split and sibling.out_features % tp_size == 0:
-                out[name] = MlaKvAProj(rope_dim)
-    return out
