@@ -24,6 +24,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "logits and tokens with transformers in one process. Prints per-rank time and memory.")
     demo.add_argument("--tp", type=int, default=2, help="number of local ranks (default 2)")
     demo.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (default 16)")
+    demo.add_argument("--ep-size", type=int, default=None,
+                      help="expert parallelism: whole experts per rank over this many ranks (default: off)")
 
     inspect = commands.add_parser(
         "inspect", help="show family, adapter, plan and per-rank bytes of a checkpoint, reading no weights",
@@ -43,12 +45,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     generate.add_argument("--ids", type=int, nargs="+", help="prompt token ids (default: 1..8)")
     generate.add_argument("--max-new-tokens", type=int, default=16)
     generate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    generate.add_argument("--ep-size", type=int, default=None,
+                          help="expert parallelism: whole experts per rank over this many ranks (default: off)")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
         from .demo import run_demo
 
-        return run_demo(tp=args.tp, max_new_tokens=args.max_new_tokens)
+        return run_demo(tp=args.tp, max_new_tokens=args.max_new_tokens, ep_size=args.ep_size)
     if args.command == "inspect":
         from .inspection import inspect_checkpoint, print_inspection
 
@@ -56,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from .generation import generate_on_ranks, generate_rank
 
-    request = (args.path, args.prompt, args.ids, args.max_new_tokens, args.dtype)
+    request = (args.path, args.prompt, args.ids, args.max_new_tokens, args.dtype, args.ep_size)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         text = generate_rank(*request)
         if text is not None:

@@ -60,14 +60,15 @@ class RankResult:
     shards: list[tuple[str, str, tuple[int, ...], tuple[tuple[int, int], ...]]]  # name, placement, local shape, box
 
 
-def demo_rank(path: str, max_new_tokens: int) -> RankResult:
-    """Per rank: load sharded, run the prompt, generate."""
+def demo_rank(path: str, max_new_tokens: int, ep_size: int | None = None) -> RankResult:
+    """Per rank: load sharded (experts split by hidden size, or whole per rank with ``ep_size``), run the prompt,
+    generate."""
     import torch.distributed as dist
 
     from .pretrained import from_pretrained
 
     start = time.perf_counter()
-    model = from_pretrained(path)
+    model = from_pretrained(path, ep_size=ep_size)
     load_s = time.perf_counter() - start
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
@@ -99,13 +100,16 @@ def shard_table(model: torch.nn.Module) -> list[tuple[str, str, tuple[int, ...],
     return rows
 
 
-def run_demo(tp: int = 2, max_new_tokens: int = 16, path: Path | None = None, tolerance: float = 2e-5) -> int:
-    """Run the demo, print a per-rank table and the check; return 0 when every rank matches one process."""
+def run_demo(tp: int = 2, max_new_tokens: int = 16, path: Path | None = None, tolerance: float = 2e-5,
+             ep_size: int | None = None) -> int:
+    """Run the demo, print a per-rank table and the check; return 0 when every rank matches one process.
+    ``ep_size``: expert parallelism (whole experts per rank) over that many of the ranks."""
     path = demo_checkpoint(path)
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"checkpoint: {path} (Mixtral format, {size / 2**20:.0f} MiB fp32)")
-    print(f"loading it tensor-parallel on {tp} local ranks (gloo) ...")
-    results = run_on_ranks(demo_rank, tp, str(path), max_new_tokens, timeout=600)
+    how = f", experts expert-parallel over {ep_size}" if ep_size else ""
+    print(f"loading it tensor-parallel on {tp} local ranks (gloo){how} ...")
+    results = run_on_ranks(demo_rank, tp, str(path), max_new_tokens, ep_size, timeout=600)
     reference = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
     ids = torch.tensor([PROMPT])
     with torch.no_grad():

@@ -8,13 +8,13 @@ import torch
 
 
 def generate_rank(path: str, prompt: str | None, ids: list[int] | None, max_new_tokens: int,
-                  dtype: str | None = None) -> str | None:
+                  dtype: str | None = None, ep_size: int | None = None) -> str | None:
     """On one rank of a running job: load, generate, and return the result text on rank 0 (None elsewhere)."""
     import torch.distributed as dist
 
     from .pretrained import from_pretrained
 
-    model = from_pretrained(path, dtype=getattr(torch, dtype) if dtype else None)
+    model = from_pretrained(path, dtype=getattr(torch, dtype) if dtype else None, ep_size=ep_size)
     tokenizer = _tokenizer(path) if prompt is not None else None
     if prompt is not None and tokenizer is None:
         raise ValueError(f"--prompt needs a tokenizer in {path}; pass --ids instead")
@@ -30,11 +30,11 @@ def generate_rank(path: str, prompt: str | None, ids: list[int] | None, max_new_
 
 
 def generate_on_ranks(tp: int, path: str, prompt: str | None, ids: list[int] | None, max_new_tokens: int,
-                      dtype: str | None = None) -> str:
+                      dtype: str | None = None, ep_size: int | None = None) -> str:
     """Start ``tp`` local ranks, generate on them, return rank 0's text."""
     from .launch import run_on_ranks
 
-    return run_on_ranks(generate_rank, tp, path, prompt, ids, max_new_tokens, dtype, timeout=3600)[0]
+    return run_on_ranks(generate_rank, tp, path, prompt, ids, max_new_tokens, dtype, ep_size, timeout=3600)[0]
 
 
 def _tokenizer(path: str):

@@ -56,6 +56,12 @@ def test_generate_starts_its_own_ranks(deepseek):
     assert done.stdout.strip().splitlines()[-1] == f"generated ids: {expected_tokens(deepseek, [5, 6, 7])}"
 
 
+def test_generate_expert_parallel(deepseek):
+    """--ep-size: whole experts per rank; the same greedy tokens as one process."""
+    done = run(*CLI, "generate", str(deepseek), "--tp", "2", "--ep-size", "2", "--ids", "5", "6", "7")
+    assert done.stdout.strip().splitlines()[-1] == f"generated ids: {expected_tokens(deepseek, [5, 6, 7])}"
+
+
 def test_generate_under_torchrun(deepseek):
     """Under torchrun it joins the process group torchrun describes instead of starting ranks."""
     done = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
