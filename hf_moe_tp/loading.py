@@ -37,7 +37,7 @@ from model_patches import adapter_for
 from model_patches.base import per_expert_names_from_conversions
 
 from .checkpoint import Checkpoint, CheckpointError
-from .experts import GroupedExperts, empty_weight
+from .experts import GroupedExperts
 from .sources import Axis, Box, Request, Source, identity
 
 # safetensors dtypes a floating parameter may be filled from (cast while copying)
@@ -81,6 +81,9 @@ def load_checkpoint(
     try:
         to_ckpt = _model_keys(model, ckpt.keys())
         shapes = {name: ckpt.tensors[key].shape for name, key in to_ckpt.items()}
+        for module in model.modules():  # expert weights in their own layout (w1/w3 sharing one buffer)
+            if isinstance(module, GroupedExperts):
+                module.materialize(_device(model))
         targets = _targets(model)
         sources = _sources(model, targets, shapes)
         used = {to_ckpt[s.key] for name in targets for s in sources.get(name, []) if s.key in to_ckpt}
@@ -345,17 +348,13 @@ def _materialize(owners: dict, name: str, tensor: torch.Tensor, device: torch.de
     """Allocate a meta tensor's local shard in every module that holds it; return the tensor to fill."""
     if _local(tensor).device.type != "meta":
         return tensor
-    holders = owners[id(tensor)]
-    # GroupedExperts stored column-major keep that layout (the checkpoint's, so reads copy without transposing)
-    column_major = tensor.dim() == 3 and any(getattr(m, "column_major", False) and a in ("w1", "w2", "w3")
-                                             for m, a, _ in holders)
     if isinstance(tensor, DTensor):
-        local = empty_weight(tensor.to_local().shape, column_major, dtype=tensor.dtype, device=device)
-        stride = empty_weight(tensor.shape, column_major, device="meta").stride()
+        local = torch.empty(tensor.to_local().shape, dtype=tensor.dtype, device=device)
         new = DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
-                                 shape=tensor.shape, stride=stride)
+                                 shape=tensor.shape, stride=tensor.stride())
     else:
-        new = empty_weight(tensor.shape, column_major, dtype=tensor.dtype, device=device)
+        new = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+    holders = owners[id(tensor)]
     if holders[0][2]:
         new = nn.Parameter(new, requires_grad=tensor.requires_grad)
     for module, attr, is_param in holders:
