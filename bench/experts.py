@@ -15,6 +15,7 @@ The script therefore re-runs itself with glibc's mmap/trim thresholds raised, wh
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import resource
 import statistics
@@ -45,7 +46,10 @@ def raw_kernel(x, index, weights, w1, w3, w2):
 def build(args, dtype):
     torch.manual_seed(0)
     ours = GroupedExperts(args.experts, args.dim, args.hidden, dtype=dtype)
-    impls = {"raw grouped_mm": lambda x, i, w: raw_kernel(x, i, w, ours.w1, ours.w3, ours.w2), "hf_moe_tp": ours}
+    loaded = copy.deepcopy(ours)
+    loaded.store_column_major()  # the layout from_pretrained gives Mixtral-style checkpoints: [w1 | w3] fused
+    impls = {"raw grouped_mm": lambda x, i, w: raw_kernel(x, i, w, ours.w1, ours.w3, ours.w2), "hf_moe_tp": ours,
+             "hf_moe_tp column-major": loaded}
     for name in ("grouped_mm", "eager"):
         config = MixtralConfig(hidden_size=args.dim, intermediate_size=args.hidden, num_local_experts=args.experts)
         config._experts_implementation = name

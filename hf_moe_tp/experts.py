@@ -108,9 +108,6 @@ class GroupedExperts(nn.Module):
         self.w1 = param(num_experts, dim, hidden)
         self.w3 = param(num_experts, dim, hidden) if gated else None
         self.w2 = param(num_experts, hidden, dim)
-        if column_major and gated:
-            w1, w3 = empty_gate_up(self.w1.shape, device=device, dtype=dtype)
-            self.w1, self.w3 = nn.Parameter(w1), nn.Parameter(w3)
         self.b1 = param(num_experts, hidden) if bias else None
         self.b3 = param(num_experts, hidden) if bias and gated else None
         self.b2 = param(num_experts, dim) if bias else None
@@ -132,7 +129,7 @@ class GroupedExperts(nn.Module):
 
     def materialize(self, device: torch.device | str) -> None:
         """Allocate (uninitialised) the local shards of parameters still on the meta device, in this module's
-        layout: column-major ``w1``/``w3`` share one buffer so ``[w1 | w3]`` is one grouped matmul."""
+        layout (column-major or not)."""
         meta = {n: p for n, p in self.named_parameters(recurse=False) if _local(p).device.type == "meta"}
         locals_ = {n: _local(p) for n, p in meta.items()}
         new = self._empty_like_params(locals_, self.column_major, device=device)
@@ -150,9 +147,6 @@ class GroupedExperts(nn.Module):
             if p is not None:
                 out[name] = empty_weight(p.shape, column_major and p.dim() == 3, dtype=p.dtype,
                                          device=device or p.device)
-        w1, w3 = params.get("w1"), params.get("w3")
-        if column_major and w1 is not None and w3 is not None and w1.shape == w3.shape:
-            out["w1"], out["w3"] = empty_gate_up(w1.shape, dtype=w1.dtype, device=device or w1.device)
         return out
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -182,15 +176,10 @@ class GroupedExperts(nn.Module):
         if self.score_before_experts:
             rows = rows * row_weights.to(rows.dtype)
 
-        w3 = _local(self.w3)
-        w13 = gate_up_view(w1, w3)
-        if w13 is not None:  # one grouped matmul for both up-projections
-            h1, h3 = grouped_mm(rows, w13, offsets).split(w1.shape[2], dim=1)
-        else:
-            h1 = grouped_mm(rows, w1, offsets)
-            h3 = grouped_mm(rows, w3, offsets) if w3 is not None else None
-        h1 = _with_bias(h1, self.b1, expert_of_row)
-        h3 = _with_bias(h3, self.b3, expert_of_row) if h3 is not None else None
+        h1 = _with_bias(grouped_mm(rows, w1, offsets), self.b1, expert_of_row)
+        h3 = None
+        if self.w3 is not None:
+            h3 = _with_bias(grouped_mm(rows, _local(self.w3), offsets), self.b3, expert_of_row)
         out = grouped_mm(self.activation(h1, h3), w2, offsets)
         if self.b2 is not None:
             out = out + _OnceAcrossShards.apply(_local(self.b2), _adds_row_bias(self.w2))[expert_of_row]
@@ -217,43 +206,6 @@ def empty_weight(shape: tuple[int, ...] | torch.Size, column_major: bool, **kwar
     if not column_major:
         return torch.empty(*shape, **kwargs)
     return torch.empty(*shape[:-2], shape[-1], shape[-2], **kwargs).transpose(-1, -2)
-
-
-def empty_gate_up(shape: tuple[int, ...] | torch.Size, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Column-major ``w1`` and ``w3`` of logical shape (E, dim, hidden) in one (E, 2, hidden, dim) buffer, each
-    expert's ``w3`` right after its ``w1``: :func:`gate_up_view` then sees ``[w1 | w3]`` without a copy."""
-    e, d, h = shape
-    buffer = torch.empty(e, 2, h, d, **kwargs)
-    return buffer[:, 0].transpose(1, 2), buffer[:, 1].transpose(1, 2)
-
-
-def gate_up_view(w1: torch.Tensor, w3: torch.Tensor | None) -> torch.Tensor | None:
-    """``[w1 | w3]`` (E, dim, 2 * hidden) as a view of their shared buffer (:func:`empty_gate_up`), with the
-    gradient split back to both; None when they are not laid out that way (then two matmuls run)."""
-    if w3 is None or w1.shape != w3.shape or w1.dim() != 3 or w1.device.type == "meta":
-        return None
-    e, d, h = w1.shape
-    if w1.stride() != (2 * h * d, 1, d) or w3.stride() != w1.stride():
-        return None
-    if w1.untyped_storage().data_ptr() != w3.untyped_storage().data_ptr():
-        return None
-    if w3.storage_offset() != w1.storage_offset() + h * d:
-        return None
-    return _GateUp.apply(w1, w3)
-
-
-class _GateUp(torch.autograd.Function):
-    """``[w1 | w3]`` as one view of their buffer; the gradient splits into the two halves."""
-
-    @staticmethod
-    def forward(ctx, w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        e, d, h = w1.shape
-        return w1.detach().as_strided((e, d, 2 * h), (2 * h * d, 1, d))
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        h = grad.shape[2] // 2
-        return grad[..., :h], grad[..., h:]
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:

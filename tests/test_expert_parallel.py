@@ -13,7 +13,7 @@ from moe_cases import grouped_experts, routing
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_moe_tp
 from hf_moe_tp import ExpertActivation, ExpertParallel, GroupedExperts
@@ -291,3 +291,22 @@ def test_bad_ep_size_fails_on_every_rank(ranks, tmp_path, ep_size, message):
     path = save_model(config, tmp_path / "qwen3-6-experts")
     for error in ranks(4).run(_bad_ep_size, str(path), ep_size):
         assert error is not None and message in error, error
+
+
+def _plan_form(path: str):
+    """tp_plan with the experts named "hf_moe_tp_expert_parallel": EP over the TP ranks, as with ep_size."""
+    config = AutoConfig.from_pretrained(path)
+    plan = {name: ("hf_moe_tp_expert_parallel" if isinstance(style, hf_moe_tp.TensorParallel) else style)
+            for name, style in hf_moe_tp.tp_plan(config, dist.get_world_size()).items()}
+    model = hf_moe_tp.from_pretrained(path, tp_plan=plan)
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (model(ids).logits - ref(ids).logits).abs().max().item()
+    placements = {p.placements for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    return diff, placements
+
+
+def test_plan_form_selects_ep(ranks, checkpoints):
+    for diff, placements in ranks(2).run(_plan_form, str(checkpoints("deepseek_v3"))):
+        assert diff <= 2e-5 and placements == {(Shard(0),)}
