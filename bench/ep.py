@@ -16,14 +16,11 @@ inputs; all-to-all: the rows for other ranks).
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
+from collectives import count_bytes, median_time
 
 from hf_moe_tp.launch import run_on_ranks
 
@@ -44,73 +41,6 @@ def make_checkpoint(path: Path) -> None:
             if p.dim() >= 2:
                 p.normal_(0, 1.0 if "embed_tokens" in name else p.shape[-1] ** -0.5)
     model.save_pretrained(path)
-
-
-@contextlib.contextmanager
-def count_bytes():
-    """Count calls and bytes sent to other ranks of every collective torch.distributed, its functional
-    collectives (DTensor) and transformers' EP call, by patching the names they are called through."""
-    import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
-    import transformers.distributed.expert_parallel as hf_ep
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-
-    def nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
-
-    def sent(name: str, functional: bool, args: tuple, kwargs: dict) -> int:
-        # torch.distributed's calls take (output, input, ...), the functional ones (input, ...)
-        t = args[0] if functional or name == "all_reduce" else args[1]
-        if name == "all_reduce":
-            return 2 * (world - 1) * nbytes(t) // world
-        if name.startswith("all_gather"):
-            return (world - 1) * nbytes(t)
-        if name.startswith("reduce_scatter"):
-            return (world - 1) * nbytes(t) // world
-        splits = kwargs.get("input_split_sizes", args[2 if functional else 3] if len(args) > (2 if functional else 3)
-                            else None)
-        if not splits:
-            return (world - 1) * nbytes(t) // world
-        return nbytes(t) // max(t.shape[0], 1) * (sum(splits) - splits[rank])
-
-    counts: collections.Counter = collections.Counter()
-    volume: collections.Counter = collections.Counter()
-    patched = []
-    targets = ((dist, ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")),
-               (funcol, ("all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor",
-                         "reduce_scatter_single", "all_to_all_single", "all_to_all_single_autograd")),
-               (hf_ep, ("all_gather_into_tensor", "all_to_all_single", "all_to_all_single_autograd")))
-    functional_names = {(funcol, n) for n in targets[1][1]} | {(hf_ep, "all_to_all_single_autograd")}
-    for module, names in targets:
-        for name in names:
-            original = getattr(module, name, None)
-            if original is None:
-                continue
-
-            def wrapper(*args, _original=original, _name=name, _functional=(module, name) in functional_names,
-                        **kwargs):
-                counts[_name] += 1
-                volume[_name] += sent(_name, _functional, args, kwargs)
-                return _original(*args, **kwargs)
-
-            setattr(module, name, wrapper)
-            patched.append((module, name, original))
-    try:
-        yield counts, volume
-    finally:
-        for module, name, original in patched:
-            setattr(module, name, original)
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def bench_rank(path: str, way: str, dtype_name: str, batch: int, seq: int, repeats: int) -> dict:

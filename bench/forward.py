@@ -12,48 +12,16 @@ first layer's TensorParallel experts against the least work the same computation
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from collectives import count_bytes, median_time
 
 from hf_moe_tp.launch import run_on_ranks
 
 DEFAULT_DIR = Path.home() / ".cache/hf_moe_tp/bench-mixtral-1.5g"
-
-
-@contextlib.contextmanager
-def count_collectives():
-    """Count calls of torch.distributed's collectives and of the functional ones DTensor uses.
-
-    (torch's CommDebugMode fails on transformers' TP modules in torch 2.13, hence this.)
-    """
-    import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
-
-    counts: collections.Counter = collections.Counter()
-    patched = []
-    for module, names in ((dist, ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-                                  "all_to_all_single", "broadcast")),
-                          (funcol, ("all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor",
-                                    "reduce_scatter_single", "all_to_all_single", "broadcast"))):
-        for name in names:
-            original = getattr(module, name)
-
-            def wrapper(*args, _original=original, _name=name, **kwargs):
-                counts[_name] += 1
-                return _original(*args, **kwargs)
-
-            setattr(module, name, wrapper)
-            patched.append((module, name, original))
-    try:
-        yield counts
-    finally:
-        for module, name, original in patched:
-            setattr(module, name, original)
 
 
 def bench_rank(path: str, which: str, dtype_name: str, batch: int, seq: int, repeats: int) -> dict:
@@ -70,18 +38,12 @@ def bench_rank(path: str, which: str, dtype_name: str, batch: int, seq: int, rep
     tokens = batch * seq
 
     model.eval()
-    with torch.no_grad(), count_collectives() as counts:
+    with torch.no_grad(), count_bytes() as (counts, _):
         model(ids)
     collectives = dict(counts)
 
     def timed(fn) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return median_time(fn, repeats)
 
     with torch.no_grad():
         infer = timed(lambda: model(ids))
