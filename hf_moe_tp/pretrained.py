@@ -14,6 +14,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 
 from . import plans
+from .expert_parallel import ExpertParallel
+from .experts import GroupedExperts
 from .loading import load_checkpoint
 
 
@@ -32,7 +34,8 @@ def from_pretrained(
 
     The model is built on the meta device, its experts swapped for GroupedExperts (``model_patches``), the
     plan applied (``"auto"``: :func:`hf_moe_tp.tp_plan`; a dict: module names or ``*`` patterns to styles;
-    ``None``: everything replicated), and then each rank reads only its slices of the checkpoint. Returns the
+    ``None``: everything replicated, or with ``ep_size`` everything but the experts), and then each rank reads
+    only its slices of the checkpoint. Returns the
     usual transformers model (``AutoModelForCausalLM`` unless ``model_class`` says otherwise), in eval mode.
 
     Without a process group one is started from the torchrun environment, or as a world of one. A given
@@ -97,7 +100,9 @@ def agree(error: BaseException | None) -> None:
 def _plan(model: nn.Module, plan, mesh: DeviceMesh, ep_size: int | None = None) -> dict[str, ParallelStyle]:
     if plan == "auto":
         return plans.tp_plan(model, mesh.size(), ep_size=ep_size)
-    if plan is None:
+    if plan is None:  # nothing split; with ep_size, expert parallelism alone
+        if ep_size and ep_size > 1:
+            return {n: ExpertParallel() for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
         return {}
     if isinstance(plan, dict):
         return plans.resolve_plan(plan)

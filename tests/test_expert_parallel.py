@@ -293,6 +293,23 @@ def test_bad_ep_size_fails_on_every_rank(ranks, tmp_path, ep_size, message):
         assert error is not None and message in error, error
 
 
+def _ep_alone(path: str):
+    """tp_plan=None with ep_size: experts whole per rank, attention and everything else replicated."""
+    model = hf_moe_tp.from_pretrained(path, tp_plan=None, ep_size=dist.get_world_size())
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (model(ids).logits - ref(ids).logits).abs().max().item()
+    experts = {p.placements for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    others = {p.placements for n, p in model.named_parameters() if ".experts." not in n}
+    return diff, experts, others
+
+
+def test_ep_alone(ranks, checkpoints):
+    for diff, experts, others in ranks(2).run(_ep_alone, str(checkpoints("qwen3_moe"))):
+        assert diff <= 2e-5 and experts == {(Shard(0),)} and others == {(Replicate(),)}
+
+
 def _plan_form(path: str):
     """tp_plan with the experts named "hf_moe_tp_expert_parallel": EP over the TP ranks, as with ep_size."""
     config = AutoConfig.from_pretrained(path)
