@@ -327,3 +327,20 @@ def _plan_form(path: str):
 def test_plan_form_selects_ep(ranks, checkpoints):
     for diff, placements in ranks(2).run(_plan_form, str(checkpoints("deepseek_v3"))):
         assert diff <= 2e-5 and placements == {(Shard(0),)}
+
+
+def _load_ep_and_save(path: str, out: str, ep_size: int) -> list[str]:
+    model = hf_moe_tp.from_pretrained(path, ep_size=ep_size)
+    return hf_moe_tp.save_pretrained(model, out).files
+
+
+@pytest.mark.parametrize("world,family", [(2, "qwen3_moe"), (4, "deepseek_v3")])
+def test_save_after_ep_load(ranks, checkpoints, tmp_path, world, family):
+    """Experts whole per rank (and, at 4 ranks, an (ep, tp) mesh): save_pretrained writes the source tensors."""
+    src = checkpoints(family)
+    out = tmp_path / "saved"
+    ranks(world).run(_load_ep_and_save, str(src), str(out), 2)
+    saved, original = Checkpoint(out), Checkpoint(src)
+    assert sorted(saved.tensors) == sorted(original.tensors)
+    for key in original.tensors:
+        assert torch.equal(saved.read(key, ()), original.read(key, ())), key
