@@ -329,8 +329,11 @@ def _full(t):
 
 
 def _train_step(model, ids, kind):
+    # SGD: the step is proportional to the gradient, so a gradient of the wrong size (a partial sum not
+    # reduced, or reduced twice) moves the logits visibly. Adam's first step is about lr * sign(g): blind to
+    # the size, and it turns fp32 noise on gradients that are mathematically zero into full steps.
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)  # eps: see tests/test_loading.py
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     loss = _output(model, ids, kind, labels=True)
     loss.backward()
     opt.step()
@@ -367,11 +370,21 @@ def run_ours(path: str, kind: str, full: bool = True) -> dict:
     if kind == "causal_lm":
         out["tokens_equal"] = torch.equal(model.generate(ids[:1], max_new_tokens=8, do_sample=False),
                                           ref.generate(ids[:1], max_new_tokens=8, do_sample=False))
+    with torch.no_grad():
+        ref_before = _output(ref, ids, kind)
     loss, after = _train_step(model, ids, kind)
     ref_loss, ref_after = _train_step(ref, ids, kind)
     out["loss_diff"] = abs(loss - ref_loss)
     out["after_diff"] = (after - ref_after).abs().max().item()
+    out["step_effect"] = (ref_after - ref_before).abs().max().item()
     return out
+
+
+def step_tolerance(r: dict) -> float:
+    """How far the logits after the training step may differ: 2e-5, or 0.1 % of how far the step moved the
+    reference's logits where that is more (models with large activations, whose fp32 gradients carry larger
+    absolute rounding; a gradient of the wrong size moves the logits by a sizeable part of the step)."""
+    return max(FP32_TOL, 1e-3 * r.get("step_effect", 0.0))
 
 
 def run_native(path: str, kind: str) -> dict:
@@ -401,10 +414,13 @@ def run_native(path: str, kind: str) -> dict:
         out["forward_error"] = _short(e)
         return out
     try:
+        with torch.no_grad():
+            ref_before = _output(ref, ids, kind)
         loss, after = _train_step(model, ids, kind)
         ref_loss, ref_after = _train_step(ref, ids, kind)
         out["loss_diff"] = abs(loss - ref_loss)
         out["after_diff"] = (after - ref_after).abs().max().item()
+        out["step_effect"] = (ref_after - ref_before).abs().max().item()
     except Exception as e:  # noqa: BLE001
         out["train_error"] = _short(e)
     return out
@@ -480,9 +496,9 @@ def ours_passes(r: dict) -> str:
         bad.append(f"logits differ by {r['diff']:.2g}")
     if r.get("tokens_equal") is False:
         bad.append("greedy tokens differ")
-    if r.get("loss_diff", 0) > FP32_TOL or r.get("after_diff", 0) > FP32_TOL:
+    if r.get("loss_diff", 0) > FP32_TOL or r.get("after_diff", 0) > step_tolerance(r):
         bad.append(f"training step differs (loss {r.get('loss_diff', 0):.2g}, "
-                   f"logits after {r.get('after_diff', 0):.2g})")
+                   f"logits after {r.get('after_diff', 0):.2g}, allowed {step_tolerance(r):.2g})")
     return "; ".join(bad)
 
 
@@ -527,7 +543,7 @@ def run_family(pool, family: Family, root: Path, timeout: float, native: bool = 
                     bad.append(f"logits differ by {n['diff']:.2g}")
                 if "train_error" in n:
                     bad.append(f"training step: {n['train_error']}")
-                elif n["loss_diff"] > FP32_TOL or n["after_diff"] > FP32_TOL:
+                elif n["loss_diff"] > FP32_TOL or n["after_diff"] > step_tolerance(n):
                     bad.append(f"training step differs (logits after {n['after_diff']:.2g})")
                 res.native = "pass" if not bad else "fail"
                 res.native_reason = "; ".join(bad)

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .styles import _hook_inputs, _SumGradOverMesh
+from .styles import LocalParams, _hook_inputs, _SumGradOverMesh
 
 
 class ExpertParallel(ParallelStyle):
@@ -61,6 +61,11 @@ class ExpertParallel(ParallelStyle):
         for name, p in list(module.named_parameters(recurse=False)):
             dt = distribute_tensor(p.data, device_mesh, placements, src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+        norm = getattr(module, "post_expert_norm", None)
+        if norm is not None:  # whole rows here; each rank normalises different rows: sum the norm's gradients
+            if device_mesh.ndim != 1:
+                raise NotImplementedError("ExpertParallel with a post-expert norm needs a 1-D mesh")
+            LocalParams()._apply(norm, device_mesh)
         dispatcher = _Dispatcher(module, ep_mesh, batch_mesh, per_rank,
                                  sum_grads_over=batch_mesh if device_mesh.ndim == 2 else None)
         _hook_inputs(module, dispatcher.dispatch)

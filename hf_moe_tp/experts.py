@@ -76,6 +76,10 @@ class GroupedExperts(nn.Module):
     ``score_before_experts``: scale each routed token by its weight before the experts instead of scaling the
     experts' outputs (Llama 4).
 
+    ``post_expert_norm``: a module (a norm over ``dim``) applied to each expert's output row before the routing
+    weight (MuseSpark). Split experts give partial rows, so the parallel styles complete the rows first
+    (:attr:`row_reduce`).
+
     ``column_major``: store each expert's matrices transposed in memory (``w1[e]`` as (hidden, dim), as
     ``nn.Linear`` and most checkpoints do), with the same logical shapes. Loading such checkpoints then copies
     without transposing; the grouped-matmul kernel takes either layout at the same speed.
@@ -90,6 +94,7 @@ class GroupedExperts(nn.Module):
         activation: ExpertActivation | None = None,
         bias: bool = False,
         score_before_experts: bool = False,
+        post_expert_norm: nn.Module | None = None,
         column_major: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -111,6 +116,9 @@ class GroupedExperts(nn.Module):
         self.b1 = param(num_experts, hidden) if bias else None
         self.b3 = param(num_experts, hidden) if bias and gated else None
         self.b2 = param(num_experts, dim) if bias else None
+        self.post_expert_norm = post_expert_norm
+        # set by a parallel style whose experts give partial rows: completes them (an all-reduce) before the norm
+        self.row_reduce = None
         if self.w1.device.type != "meta":
             self.reset_parameters()
 
@@ -152,7 +160,7 @@ class GroupedExperts(nn.Module):
     def reset_parameters(self, std: float = 0.02) -> None:
         """Truncated-normal weights, zero biases (loading a checkpoint overwrites both)."""
         with torch.no_grad():
-            for name, p in self.named_parameters():
+            for name, p in self.named_parameters(recurse=False):
                 if name.startswith("w"):
                     nn.init.trunc_normal_(p, std=std, a=-3 * std, b=3 * std)
                 else:
@@ -183,6 +191,10 @@ class GroupedExperts(nn.Module):
         out = grouped_mm(self.activation(h1, h3), w2, offsets)
         if self.b2 is not None:
             out = out + _OnceAcrossShards.apply(_local(self.b2), _adds_row_bias(self.w2))[expert_of_row]
+        if self.post_expert_norm is not None:
+            if self.row_reduce is not None:
+                out = self.row_reduce(out)
+            out = self.post_expert_norm(out)
 
         # Weight, put back in (token, slot) order and sum the slots: accumulates in the routing weights'
         # dtype (fp32 from most routers) and rounds once, as transformers does.

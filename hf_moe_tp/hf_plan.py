@@ -48,9 +48,10 @@ def head_norm_entries(model: nn.Module, tp_size: int | None) -> dict:
 
 
 def nested_entries(model: nn.Module, tp_size: int | None) -> dict:
-    """Linear or embedding layers of transformers' plan that hold submodules with parameters (Inkling's
-    ``embed_tokens`` with its ``embed_norm``): torch's column- and row-wise styles cannot split those (they
-    re-register nested parameters by dotted name), so they stay whole (replicated)."""
+    """Linear or embedding layers of transformers' plan that hold submodules (Inkling's and MuseSpark's
+    ``embed_tokens`` with an ``embed_norm``): their forward runs the submodule on the split layer's partial
+    output, and torch's column- and row-wise styles cannot split nested parameters (they re-register them by
+    dotted name), so they stay whole (replicated)."""
     if tp_size is None or tp_size == 1:
         return {}
     plan = getattr(model, "_tp_plan", None) or {}
@@ -60,7 +61,7 @@ def nested_entries(model: nn.Module, tp_size: int | None) -> dict:
         if style not in split:
             continue
         for name, module in model.named_modules():
-            if matches(name, pattern) and any(True for c in module.children() for _ in c.parameters()):
+            if matches(name, pattern) and any(True for _ in module.children()):
                 out[name] = LocalParams(sum_grads=False)
     return out
 

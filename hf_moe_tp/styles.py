@@ -36,8 +36,10 @@ class TensorParallel(ParallelStyle):
     """Split every expert along its hidden size: ``w1``/``w3`` column-wise, ``w2`` row-wise.
 
     Each rank runs all tokens through its slice of every expert and produces a partial sum of the output,
-    which is reduced to ``output_layout`` with one collective. Hidden sizes that do not divide by the mesh
-    size give uneven shards. Parameters not in :data:`EXPERT_PLACEMENTS` become replicated DTensors.
+    which is reduced to ``output_layout`` with one collective. Hidden sizes that do not divide by the mesh size
+    give uneven shards. Parameters not in :data:`EXPERT_PLACEMENTS` become replicated DTensors. Experts with a
+    post-expert norm need whole rows before it: their (token, slot) rows are all-reduced instead (top-k times
+    the bytes) and the output is whole.
 
     Args:
         input_layouts: layouts of the positional inputs ``(hidden_states, top_k_index, top_k_weights)``
@@ -69,17 +71,25 @@ class TensorParallel(ParallelStyle):
             raise ValueError(f"TensorParallel splits each expert's hidden size {hidden} over {device_mesh.size()} "
                              f"ranks; it must be at least the TP size (use a smaller TP size)")
         distribute_params(module, device_mesh, EXPERT_PLACEMENTS, self.src_data_rank)
-        _hook_inputs(module, lambda args: self._prepare_inputs(args, device_mesh))
-        module.register_forward_hook(lambda mod, args, out: self._prepare_output(out, device_mesh))
+        norm = getattr(module, "post_expert_norm", None)
+        if norm is not None:  # rows completed before the norm (k rows per token): the output is then whole
+            group = device_mesh.get_group()
+            module.row_reduce = lambda rows: _SumOverMesh.apply(rows, group)
+            LocalParams(sum_grads=False)._apply(norm, device_mesh)
+        # the routing weights scale whole rows after the norm: their gradient is whole on every rank
+        whole_grads = {2} if norm is not None and not module.score_before_experts else set()
+        _hook_inputs(module, lambda args: self._prepare_inputs(args, device_mesh, whole_grads))
+        module.register_forward_hook(lambda mod, args, out: self._prepare_output(out, device_mesh, norm is None))
         return module
 
-    def _prepare_inputs(self, args: tuple, mesh: DeviceMesh) -> tuple:
+    def _prepare_inputs(self, args: tuple, mesh: DeviceMesh, whole_grads: set[int] = frozenset()) -> tuple:
         layouts = self.input_layouts + (Replicate(),) * (len(args) - len(self.input_layouts))
         sizes: dict[tuple[int, int], int] = {}  # the inputs share their token count: gather it once
-        return tuple(_replicated_local(a, layout, mesh, sizes) for a, layout in zip(args, layouts, strict=False))
+        return tuple(_replicated_local(a, layout, mesh, sizes, partial_grad=i not in whole_grads)
+                     for i, (a, layout) in enumerate(zip(args, layouts, strict=False)))
 
-    def _prepare_output(self, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        out = DTensor.from_local(output, mesh, (Partial(),), run_check=False)
+    def _prepare_output(self, output: torch.Tensor, mesh: DeviceMesh, partial: bool = True) -> torch.Tensor:
+        out = DTensor.from_local(output, mesh, (Partial() if partial else Replicate(),), run_check=False)
         out = out.redistribute(mesh, (self.output_layout,))
         return out.to_local() if self.use_local_output else out
 
@@ -244,6 +254,21 @@ def swap_to_local(root: nn.Module, params: list[tuple[nn.Module, str]]) -> None:
     root.register_forward_hook(restore, always_call=True)
 
 
+class _SumOverMesh(torch.autograd.Function):
+    """All-reduce (sum) forward; identity backward: every rank's partial rows feed the same whole rows, whose
+    gradient (computed alike on every rank) is each part's gradient."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        t = t.contiguous().clone()
+        torch.distributed.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
 class _SumGradOverMesh(torch.autograd.Function):
     """Identity forward; backward sums the gradient over the mesh's ranks."""
 
@@ -301,8 +326,10 @@ def distribute_params(
                     owner._buffers[name] = distribute_tensor(b, mesh, [Replicate()], src_data_rank=src_data_rank)
 
 
-def _replicated_local(arg: Any, layout: Placement, mesh: DeviceMesh, sizes: dict[tuple[int, int], int]) -> Any:
-    """A replicated local copy of ``arg`` whose gradient is declared partial.
+def _replicated_local(arg: Any, layout: Placement, mesh: DeviceMesh, sizes: dict[tuple[int, int], int],
+                      partial_grad: bool = True) -> Any:
+    """A replicated local copy of ``arg`` whose gradient is declared partial (or, ``partial_grad=False``,
+    whole and the same on every rank).
 
     The experts use their input on every rank to compute a partial output, so each rank's input gradient is a
     partial sum; the backward of ``from_local`` reduces it (Partial -> ``layout``).
@@ -313,7 +340,7 @@ def _replicated_local(arg: Any, layout: Placement, mesh: DeviceMesh, sizes: dict
         arg = _from_local(arg, layout, mesh, sizes)
     if arg.placements != (Replicate(),):
         arg = arg.redistribute(mesh, (Replicate(),))
-    grad_placements = (Partial(),) if arg.is_floating_point() else None
+    grad_placements = (Partial(),) if arg.is_floating_point() and partial_grad else None
     return arg.to_local(grad_placements=grad_placements)
 
 

@@ -53,11 +53,6 @@ class Adapter:
         return hasattr(module, "has_gate") and hasattr(module, "down_proj") and not isinstance(module, GroupedExperts)
 
     def layout(self, module: nn.Module) -> ExpertLayout:
-        if getattr(module, "has_post_expert_norm", False):
-            raise NotImplementedError(
-                f"{type(module).__name__} norms each expert's output (post_expert_norm); split experts give partial "
-                "rows, and GroupedExperts/TensorParallel reduce only the weighted sum, not each row before a norm"
-            )
         gated = module.has_gate
         up = module.gate_up_proj if gated else module.up_proj
         num_experts, *rest = up.shape
@@ -97,8 +92,9 @@ class Adapter:
     def new_experts(self, module: nn.Module, layout: ExpertLayout) -> GroupedExperts:
         """The GroupedExperts standing in for ``module`` (same device and dtype; meta stays meta)."""
         p = next(module.parameters())
+        norm = module.post_expert_norm if getattr(module, "has_post_expert_norm", False) else None
         return GroupedExperts(layout.num_experts, layout.dim, layout.hidden, activation=self.activation(module),
-                              bias=layout.bias, device=p.device, dtype=p.dtype)
+                              bias=layout.bias, post_expert_norm=norm, device=p.device, dtype=p.dtype)
 
     def plan_entries(self, model: nn.Module, tp_size: int | None) -> dict:
         """Styles this family needs beyond transformers' plan and its translation (module name -> ParallelStyle)."""

@@ -217,3 +217,37 @@ def _rejects_2d_mesh():
 def test_2d_mesh_needs_its_tp_dimension(ranks):
     for message in ranks(4).run(_rejects_2d_mesh):
         assert message and "1-D mesh" in message and "mesh['tp']" in message
+
+
+def _post_norm_matches_unsharded(style: str):
+    """Experts with a post-expert norm (MuseSpark): whole rows before the norm under TensorParallel (an
+    all-reduce of the rows), whole experts under ExpertParallel; outputs and every gradient as one process."""
+    from hf_moe_tp import ExpertParallel
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    m = grouped_experts(EXPERTS, DIM, 20)
+    m.post_expert_norm = torch.nn.RMSNorm(DIM, eps=1e-6)
+    with torch.no_grad():
+        m.post_expert_norm.weight.uniform_(0.5, 1.5)
+    ref = copy.deepcopy(m)
+    parallelize_module(m, mesh, TensorParallel() if style == "tp" else ExpertParallel())
+    index, weights = routing(TOKENS, EXPERTS, TOP_K, seed=3)
+    torch.manual_seed(4)
+    x, upstream = torch.randn(TOKENS, DIM), torch.randn(TOKENS, DIM)
+    y, grads, _, y2, params = _train_step(m, x, index, weights, upstream)
+    ry, rgrads, _, ry2, rparams = _train_step(ref, x, index, weights, upstream)
+    return {
+        "output": (y - ry).abs().max().item(),
+        "output_after_step": (y2 - ry2).abs().max().item(),
+        "grads": _max_diff(grads, rgrads),
+        "norm_placements": m.post_expert_norm.weight.placements,
+    }
+
+
+@pytest.mark.parametrize("style", ["tp", "ep"])
+def test_post_expert_norm(ranks, style):
+    for r in ranks(2).run(_post_norm_matches_unsharded, style):
+        assert r["output"] <= FP32_TOL and r["output_after_step"] <= FP32_TOL, r
+        assert max(r["grads"].values()) <= FP32_TOL, r["grads"]
+        assert "post_expert_norm.weight" in r["grads"] and r["norm_placements"] == (Replicate(),)
