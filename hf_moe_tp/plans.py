@@ -26,7 +26,7 @@ from transformers import PretrainedConfig
 
 from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
-from .styles import LocalParams, NoParallel, TensorParallel, swap_to_local
+from .styles import LocalParams, NoParallel, TensorParallel, VocabParallelEmbedding, swap_to_local
 
 # transformers' plan names -> torch styles. Expert entries are ours (TensorParallel on GroupedExperts).
 HF_STYLES = {
@@ -34,7 +34,7 @@ HF_STYLES = {
     "rowwise": lambda: RowwiseParallel(),
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
-    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda: VocabParallelEmbedding(),
     "replicated_with_grad_allreduce": lambda: LocalParams(),
 }
 # Our styles by name, so plans can be written as strings too (and registered in transformers' ParallelInterface).
