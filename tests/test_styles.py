@@ -251,3 +251,30 @@ def test_post_expert_norm(ranks, style):
         assert r["output"] <= FP32_TOL and r["output_after_step"] <= FP32_TOL, r
         assert max(r["grads"].values()) <= FP32_TOL, r["grads"]
         assert "post_expert_norm.weight" in r["grads"] and r["norm_placements"] == (Replicate(),)
+
+
+def _embedding_matches_unsharded(vocab: int, padding_idx: int | None):
+    from hf_moe_tp.styles import VocabParallelEmbedding
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(vocab, DIM, padding_idx=padding_idx)
+    ref = copy.deepcopy(emb)
+    parallelize_module(emb, mesh, VocabParallelEmbedding())
+    ids = torch.randint(0, vocab, (3, 7), generator=torch.Generator().manual_seed(1))
+    upstream = torch.randn(3, 7, DIM, generator=torch.Generator().manual_seed(2))
+    out, ref_out = emb(ids), ref(ids)
+    (out * upstream).sum().backward()
+    (ref_out * upstream).sum().backward()
+    return {"output": (out - ref_out).abs().max().item(),
+            "grad": (emb.weight.grad.full_tensor() - ref.weight.grad).abs().max().item(),
+            "local_rows": emb.weight.to_local().shape[0], "padding_idx": emb.padding_idx}
+
+
+@pytest.mark.parametrize("world,vocab,padding_idx", [(2, 16, None), (4, 10, 3)])
+def test_vocab_parallel_embedding(ranks, world, vocab, padding_idx):
+    """Rows split by vocabulary (uneven too), padding row kept without gradient, one all-reduce."""
+    results = ranks(world).run(_embedding_matches_unsharded, vocab, padding_idx)
+    assert [r["local_rows"] for r in results] == [len(c) for c in torch.arange(vocab).chunk(world)]
+    for r in results:
+        assert r["output"] == 0 and r["grad"] <= FP32_TOL and r["padding_idx"] == padding_idx, r
