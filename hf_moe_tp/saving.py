@@ -45,8 +45,8 @@ from transformers.core_model_loading import PrefixChange, revert_weight_conversi
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from .checkpoint import INDEX_FILE, SINGLE_FILE
+from .conversions import model_keys, parameter_sources
 from .experts import GroupedExperts
-from .loading import _model_keys, _sources
 from .sources import Axis, Box, Request, Source
 
 FILENAME_PATTERN = "model{suffix}.safetensors"
@@ -196,13 +196,13 @@ def _plan(model: nn.Module) -> tuple[dict[str, _Entry], int]:
     rank, before anything is gathered or written.
     """
     ckpt_shapes, total_parameters = _transformers_keys(model)
-    to_ckpt = _model_keys(model, list(ckpt_shapes))  # model-named key -> checkpoint key, as the loader renames
+    to_ckpt = model_keys(model, list(ckpt_shapes))  # model-named key -> checkpoint key, as the loader renames
     if len(to_ckpt) != len(ckpt_shapes):
         clash = sorted(set(ckpt_shapes) - set(to_ckpt.values()))
         raise SaveError(f"checkpoint keys rename to the same model name: {', '.join(clash[:8])}")
     shapes = {name: ckpt_shapes[key] for name, key in to_ckpt.items()}
     tensors = model.state_dict(keep_vars=True)
-    sources = _sources(model, tensors, shapes)
+    sources = parameter_sources(model, tensors, shapes)
     experts = {f"{prefix}.{n}" for prefix, m in model.named_modules() if isinstance(m, GroupedExperts)
                for n, _ in m.named_parameters(recurse=False)}
     entries = {key: _Entry(key, tuple(shape)) for key, shape in ckpt_shapes.items()}

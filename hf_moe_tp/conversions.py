@@ -1,0 +1,169 @@
+"""Which checkpoint tensors fill each model parameter, and how: the map loading and saving share.
+
+- Names: transformers' renamings for the family (``get_model_conversion_mapping``) turn checkpoint keys into
+  the model's names (:func:`model_keys`).
+- Experts: the family's adapter (``model_patches``) maps per-expert or packed checkpoint tensors onto
+  GroupedExperts' ``w1``/``w3``/``w2`` (:class:`hf_moe_tp.sources.Source` per tensor).
+- Fused and split tensors: transformers' ``Concatenate``/``Split``/``Chunk`` converters become sources that
+  fill part of a parameter, ``Interleave`` on packed experts a layout flag.
+- Everything else: the checkpoint tensor of the same name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    Chunk,
+    Concatenate,
+    Interleave,
+    Split,
+    WeightConverter,
+    WeightRenaming,
+    rename_source_key,
+)
+
+from model_patches import adapter_for
+from model_patches.base import per_expert_names_from_conversions
+
+from .experts import GroupedExperts
+from .sources import Axis, Source, identity
+
+
+def model_keys(model: nn.Module, keys: list[str]) -> dict[str, str]:
+    """Checkpoint ``keys`` renamed to the model's names (transformers' renamings for the family), model -> ckpt."""
+    renamings = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
+    names = dict.fromkeys(k for k, _ in model.state_dict(keep_vars=True).items())
+    prefix = getattr(model, "base_model_prefix", None)
+    out = {}
+    for key in keys:
+        renamed, _ = rename_source_key(key, renamings, [], prefix, names)
+        if renamed not in names and key in names:  # as transformers: a renaming that misfired (``.norm.``)
+            renamed, _ = rename_source_key(key, [], [], prefix, names)
+        out[renamed] = key
+    return out
+
+
+def parameter_sources(model: nn.Module, targets: dict[str, torch.Tensor], shapes: dict[str, tuple]
+                      ) -> dict[str, list[Source]]:
+    """The checkpoint sources of every parameter in ``targets`` (model name -> its tensor), from ``shapes``
+    (the checkpoint's tensors under their model names, :func:`model_keys`)."""
+    adapter = adapter_for(model)
+    per_expert = per_expert_names_from_conversions(get_model_conversion_mapping(model))
+    aliases = _packed_aliases(model, shapes)
+    sources: dict[str, list[Source]] = {}
+    for prefix, module in model.named_modules():
+        layout = getattr(module, "checkpoint_layout", None)
+        if isinstance(module, GroupedExperts) and layout is not None:
+            view, renamed = dict(shapes), {}
+            for packed in (f"{prefix}.gate_up_proj", f"{prefix}.down_proj"):
+                if packed in aliases:
+                    name, interleave = aliases[packed]
+                    view[packed], renamed[packed] = shapes[name], name
+                    if interleave:  # the checkpoint's gate/up halves interleave where the model's concatenate
+                        layout = dataclasses.replace(layout, concatenated=not layout.concatenated)
+            found = adapter.expert_sources(prefix, layout, view, per_expert)
+            sources.update({name: [dataclasses.replace(s, key=renamed.get(s.key, s.key)) for s in srcs]
+                            for name, srcs in found.items()})
+    for name, srcs in {**_converted_sources(model, targets, shapes),
+                       **adapter.extra_sources(model, targets, shapes)}.items():
+        sources.setdefault(name, srcs)
+    for name in targets:
+        if name not in sources and name in shapes:
+            sources[name] = [identity(name, shapes[name])]
+    return sources
+
+
+def _packed_aliases(model: nn.Module, shapes: dict[str, tuple]) -> dict[str, tuple[str, bool]]:
+    """Packed expert tensors that transformers' conversion mapping converts rather than renames: de-interleaved
+    into ``gate_up_proj`` (``Interleave`` along the gate/up dim: Inkling2's ``w13_weight``), or dequantized where
+    the checkpoint holds the weight alone (float, no scales: the identity). Model name -> (renamed checkpoint
+    name, whether gate and up interleave)."""
+    converters = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightConverter)]
+    groups: dict[tuple[int, str], list[str]] = {}
+    for name in shapes:
+        for i, conv in enumerate(converters):
+            target, pattern = conv.rename_source_key(name)
+            if pattern is not None:
+                groups.setdefault((i, target), []).append(name)
+                break
+    out = {}
+    for (i, target), names in groups.items():
+        ops = list(getattr(converters[i], "operations", []))
+        interleave = bool(ops) and isinstance(ops[-1], Interleave)
+        if interleave:
+            ops.pop()
+        dequantize = all("Dequantize" in type(op).__name__ for op in ops) and (not ops or len(names) == 1)
+        packed = target.endswith("experts.gate_up_proj") or target.endswith("experts.down_proj")
+        if packed and dequantize and (interleave or ops) and not (interleave and target.endswith("down_proj")):
+            out[target] = (names[0], interleave)
+    return out
+
+
+def _converted_sources(model: nn.Module, targets: dict[str, torch.Tensor], shapes: dict[str, tuple]
+                       ) -> dict[str, list[Source]]:
+    """Sources of parameters that transformers' conversion mapping fuses from several checkpoint tensors
+    (``Concatenate``: Kimi-Linear's and Bailing's ``q/k/v_conv1d`` into ``conv1d``) or splits from one (``Split``,
+    ``Chunk``: Lara-Mini's ``in_proj`` into ``in_proj_qkv/z/b/a``): each checkpoint tensor fills its range of the
+    parameter, so a rank still reads only the part of each tensor its shard needs. ``shapes`` holds checkpoint
+    tensors under their renamed names (:func:`_model_keys`); converters of other operations (the experts'
+    ``MergeModulelist``) are left to the adapters."""
+    converters = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightConverter)]
+    prefix = getattr(model, "base_model_prefix", None)
+    groups: dict[tuple[int, str], list[tuple[int, str]]] = {}
+    for name in shapes:
+        if name in targets:
+            continue
+        for conv in converters:
+            target, pattern = conv.rename_source_key(name)
+            if pattern is None:
+                continue
+            ops = getattr(conv, "operations", [])
+            if (len(ops) == 1 and type(ops[0]) in (Concatenate, Split, Chunk)
+                    and getattr(ops[0], "num_shards_attribute", None) is None):
+                target = _with_prefix(target, targets, prefix)
+                groups.setdefault((converters.index(conv), target), []).append(
+                    (conv.source_patterns.index(pattern), name))
+            break  # transformers applies at most one converter per key
+    out: dict[str, list[Source]] = {}
+    for (index, target), pieces in groups.items():
+        conv = converters[index]
+        op = conv.operations[0]
+        if isinstance(op, Concatenate):  # several checkpoint tensors -> one parameter, in source-pattern order
+            if target not in targets:
+                continue
+            dim = op.dim % len(targets[target].shape)
+            at, srcs = 0, []
+            for _, name in sorted(pieces):
+                shape = tuple(shapes[name])
+                dims = tuple(Axis(i, at=at, size=shape[i]) if i == dim else Axis(i) for i in range(len(shape)))
+                srcs.append(Source(name, dims, shape))
+                at += shape[dim]
+            out[target] = srcs
+        else:  # one checkpoint tensor -> one parameter per target pattern, in order
+            for _, name in pieces:
+                shape = tuple(shapes[name])
+                dim = op.dim % len(shape)
+                names = [target.replace(conv.target_patterns[0], t) for t in conv.target_patterns]
+                if not all(n in targets for n in names):
+                    continue
+                sizes = ([targets[n].shape[dim] for n in names] if isinstance(op, Split)
+                         else [shape[dim] // len(names)] * len(names))
+                start = 0
+                for n, size in zip(names, sizes, strict=True):
+                    dims = tuple(Axis(i, start=start) if i == dim else Axis(i) for i in range(len(shape)))
+                    out[n] = [Source(name, dims, shape)]
+                    start += size
+    return out
+
+
+def _with_prefix(name: str, targets: dict, prefix: str | None) -> str:
+    """``name`` with the base model prefix stripped or added where that makes it a model name."""
+    if name in targets or not prefix:
+        return name
+    if name.startswith(f"{prefix}.") and name[len(prefix) + 1:] in targets:
+        return name[len(prefix) + 1:]
+    return f"{prefix}.{name}" if f"{prefix}.{name}" in targets else name
