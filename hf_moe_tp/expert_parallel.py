@@ -10,6 +10,10 @@ The style wraps a GroupedExperts in two hooks and leaves its forward as it is:
 
 Every rank of the batch's group sends a disjoint slice of the batch when the ranks hold the same tokens (after
 tensor-parallel attention), so each (token, slot) pair runs once; the outputs are gathered back.
+
+When the ranks hold the same tokens there is a cheaper way without moving any: each rank runs its own experts
+on the pairs routed to them and one all-reduce sums the outputs (``dispatch="all_reduce"``; the default
+``"auto"`` takes it when no gradient is needed, as transformers' ``AutoEP`` does).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .styles import LocalParams, _hook_inputs, _SumGradOverMesh
+from .styles import LocalParams, _hook_inputs, _SumGradOverMesh, _SumOverMesh
 
 
 class ExpertParallel(ParallelStyle):
@@ -38,16 +42,26 @@ class ExpertParallel(ParallelStyle):
 
     Experts that do not divide by the EP size are split like ``torch.chunk`` (``ceil(E / N)`` per rank); a split
     that leaves a rank without experts is refused.
+
+    ``dispatch``: ``"all_to_all"`` (move the tokens), ``"all_reduce"`` (only for ranks holding the same tokens,
+    1-D mesh: no tokens move, one all-reduce of the output, as tensor parallelism costs) or ``"auto"``
+    (default: all-reduce when the batch is shared and no gradient is needed, all-to-all otherwise).
     """
 
-    def __init__(self, *, input_layout: Placement | None = None) -> None:
+    def __init__(self, *, input_layout: Placement | None = None, dispatch: str = "auto") -> None:
         super().__init__()
         self.input_layout = input_layout or Replicate()
         if not (isinstance(self.input_layout, Replicate) or self.input_layout == Shard(0)):
             raise ValueError(f"ExpertParallel input_layout must be Replicate() or Shard(0), got {self.input_layout}")
+        if dispatch not in ("auto", "all_to_all", "all_reduce"):
+            raise ValueError(f"ExpertParallel dispatch must be 'auto', 'all_to_all' or 'all_reduce', got {dispatch!r}")
+        if dispatch == "all_reduce" and not isinstance(self.input_layout, Replicate):
+            raise ValueError("ExpertParallel dispatch='all_reduce' needs ranks holding the same tokens "
+                             "(input_layout=Replicate())")
+        self.dispatch = dispatch
 
     def __repr__(self) -> str:
-        return f"ExpertParallel(input_layout={self.input_layout})"
+        return f"ExpertParallel(input_layout={self.input_layout}, dispatch={self.dispatch!r})"
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         ep_mesh, batch_mesh, placements = self._meshes(device_mesh)
@@ -66,8 +80,12 @@ class ExpertParallel(ParallelStyle):
             if device_mesh.ndim != 1:
                 raise NotImplementedError("ExpertParallel with a post-expert norm needs a 1-D mesh")
             LocalParams()._apply(norm, device_mesh)
+        shared = device_mesh.ndim == 1 and batch_mesh is not None  # every EP rank holds the same tokens
+        if self.dispatch == "all_reduce" and not shared:
+            raise ValueError("ExpertParallel dispatch='all_reduce' needs a 1-D mesh whose ranks hold the same tokens")
         dispatcher = _Dispatcher(module, ep_mesh, batch_mesh, per_rank,
-                                 sum_grads_over=batch_mesh if device_mesh.ndim == 2 else None)
+                                 sum_grads_over=batch_mesh if device_mesh.ndim == 2 else None,
+                                 reduce=self.dispatch if shared else "all_to_all")
         _hook_inputs(module, dispatcher.dispatch)
         module.register_forward_hook(lambda mod, args, out: dispatcher.combine(out))
         module.register_forward_hook(lambda mod, args, out: dispatcher.restore(), always_call=True)
@@ -91,15 +109,19 @@ class _Dispatcher:
     """The state of one GroupedExperts' exchanges; one entry per call in flight (re-entrant for recomputation)."""
 
     def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh, batch_mesh: DeviceMesh | None, per_rank: int,
-                 sum_grads_over: DeviceMesh | None) -> None:
+                 sum_grads_over: DeviceMesh | None, reduce: str = "all_to_all") -> None:
         self.experts = experts
         self.ep_mesh, self.batch_mesh, self.per_rank = ep_mesh, batch_mesh, per_rank
         self.sum_grads_over = sum_grads_over
+        self.reduce = reduce  # "all_to_all", "all_reduce" or "auto"
         self.calls: list[dict] = []
         self.swapped: list[dict[str, nn.Parameter]] = []
 
     def dispatch(self, args: tuple) -> tuple:
         x, index, weights = args[:3]
+        grad = torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad)
+        if self.reduce == "all_reduce" or (self.reduce == "auto" and not grad):
+            return self._dispatch_local(args)
         num_tokens = x.shape[0]
         if self.batch_mesh is not None:  # the ranks share this batch: each sends its own slice
             x, index, weights = (_slice_rows(t, self.batch_mesh) for t in (x, index, weights))
@@ -120,14 +142,39 @@ class _Dispatcher:
         local_ids = torch.arange(self.per_rank, device=x.device).repeat(ep_size)
         local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1))
 
-        self.calls.append(dict(order=order, weights=weights, send_sizes=send_sizes, recv_sizes=recv_sizes,
-                               num_tokens=num_tokens, dtype=x.dtype))
+        self.calls.append(dict(mode="all_to_all", order=order, weights=weights, send_sizes=send_sizes,
+                               recv_sizes=recv_sizes, num_tokens=num_tokens, dtype=x.dtype))
         self._swap_params()
         ones = torch.ones(received.shape[0], 1, dtype=weights.dtype, device=x.device)
         return (received, local_ids.unsqueeze(1), ones, *args[3:])
 
+    def _dispatch_local(self, args: tuple) -> tuple:
+        """The pairs routed to this rank's experts, run here; :meth:`combine` all-reduces the outputs."""
+        x, index, weights = args[:3]
+        group = self.ep_mesh.get_group()
+        if torch.is_grad_enabled():  # each rank contributes its pairs' part of the inputs' gradients: sum them
+            x, weights = (_SumGradOverMesh.apply(t, group) if t.requires_grad else t for t in (x, weights))
+        start = self.ep_mesh.get_local_rank() * self.per_rank
+        token, slot = ((index >= start) & (index < start + self.per_rank)).nonzero(as_tuple=True)
+        rows, row_weights = x[token], weights[token, slot].unsqueeze(-1)
+        if self.experts.score_before_experts:
+            rows = rows * row_weights.to(rows.dtype)
+        self.calls.append(dict(mode="all_reduce", token=token, weights=row_weights, num_tokens=x.shape[0],
+                               dtype=x.dtype))
+        self._swap_params()
+        ones = torch.ones(rows.shape[0], 1, dtype=weights.dtype, device=x.device)
+        return (rows, (index[token, slot] - start).unsqueeze(1), ones, *args[3:])
+
+    def _combine_local(self, out: torch.Tensor, call: dict) -> torch.Tensor:
+        if not self.experts.score_before_experts:
+            out = out * call["weights"]
+        y = out.new_zeros((call["num_tokens"], out.shape[-1])).index_add(0, call["token"], out)
+        return _SumOverMesh.apply(y, self.ep_mesh.get_group()).to(call["dtype"])
+
     def combine(self, out: torch.Tensor) -> torch.Tensor:
         call = self.calls.pop()
+        if call["mode"] == "all_reduce":
+            return self._combine_local(out, call)
         back = _AllToAll.apply(out, call["send_sizes"], call["recv_sizes"], self.ep_mesh.get_group())
         back = back.new_empty(back.shape).index_copy(0, call["order"], back)
         weights = call["weights"]

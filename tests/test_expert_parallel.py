@@ -40,7 +40,7 @@ def _step(module, x, index, weights, upstream):
 
 
 def _ep_matches_unsharded(experts: int, layout: str, bias: bool, score_before: bool, skew: bool = False,
-                          mesh_shape: tuple[int, ...] | None = None):
+                          mesh_shape: tuple[int, ...] | None = None, dispatch: str = "auto"):
     """EP against one process. ``layout``: "replicate" (every rank the same tokens) or "shard" (each rank its own
     batch: the reference runs all ranks' batches concatenated). ``mesh_shape``: a 2-D (ep, tp) mesh."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -51,7 +51,7 @@ def _ep_matches_unsharded(experts: int, layout: str, bias: bool, score_before: b
     top_k = 1 if score_before else TOP_K
     if mesh_shape is None:
         mesh = init_device_mesh("cpu", (world,))
-        style = ExpertParallel(input_layout=Shard(0) if layout == "shard" else Replicate())
+        style = ExpertParallel(input_layout=Shard(0) if layout == "shard" else Replicate(), dispatch=dispatch)
         batches = world if layout == "shard" else 1
         batch = rank if layout == "shard" else 0
     else:
@@ -107,6 +107,15 @@ def test_ep_idle_ranks(ranks):
     """All tokens to experts 0 and 1 (rank 0): the other ranks receive nothing and still join every exchange,
     forward and backward."""
     _check(ranks(4).run(_ep_matches_unsharded, 8, "replicate", False, False, True))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dispatch", ["all_reduce", "all_to_all"])
+def test_ep_dispatch_forced(ranks, world, dispatch):
+    """Either dispatch in training and inference ("auto" takes all-to-all with gradients, all-reduce without):
+    no tokens moved and one all-reduce, or tokens moved by all-to-all; the same numbers either way."""
+    _check(ranks(world).run(_ep_matches_unsharded, 7, "replicate", False, False, False, None, dispatch))
+    _check(ranks(world).run(_ep_matches_unsharded, 8, "replicate", True, False, True, None, dispatch))  # bias, skew
 
 
 def test_ep_on_2d_mesh(ranks):
