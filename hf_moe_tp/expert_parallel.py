@@ -22,10 +22,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .styles import LocalParams, _hook_inputs, _SumGradOverMesh, _SumOverMesh
+from .styles import (
+    LocalParams,
+    _hook_inputs,
+    _SumGradOverMesh,
+    _SumOverMesh,
+    distribute_params,
+    local_during_forward,
+)
 
 
 class ExpertParallel(ParallelStyle):
@@ -72,9 +79,8 @@ class ExpertParallel(ParallelStyle):
             raise ValueError(f"ExpertParallel: {num_experts} experts over {ep_mesh.size()} EP ranks split as "
                              f"torch.chunk does ({per_rank} per rank) leave EP rank(s) {empty} without experts; "
                              f"use an EP size that leaves every rank at least one expert")
-        for name, p in list(module.named_parameters(recurse=False)):
-            dt = distribute_tensor(p.data, device_mesh, placements, src_data_rank=self.src_data_rank)
-            module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+        expert_params = {name: placements for name, _ in module.named_parameters(recurse=False)}
+        distribute_params(module, device_mesh, expert_params, self.src_data_rank, recurse=False)
         norm = getattr(module, "post_expert_norm", None)
         if norm is not None:  # whole rows here; each rank normalises different rows: sum the norm's gradients
             if device_mesh.ndim != 1:
@@ -83,12 +89,17 @@ class ExpertParallel(ParallelStyle):
         shared = device_mesh.ndim == 1 and batch_mesh is not None  # every EP rank holds the same tokens
         if self.dispatch == "all_reduce" and not shared:
             raise ValueError("ExpertParallel dispatch='all_reduce' needs a 1-D mesh whose ranks hold the same tokens")
+        if device_mesh.ndim == 2:  # expert copies on the batch-sharing ranks each see part of the batch
+            group = batch_mesh.get_group()
+
+            def to_local(p: DTensor) -> torch.Tensor:
+                return _SumGradOverMesh.apply(p.to_local(), group) if p.requires_grad else p.to_local()
+
+            local_during_forward(module, [(module._parameters, n) for n in expert_params], to_local)
         dispatcher = _Dispatcher(module, ep_mesh, batch_mesh, per_rank,
-                                 sum_grads_over=batch_mesh if device_mesh.ndim == 2 else None,
                                  reduce=self.dispatch if shared else "all_to_all")
         _hook_inputs(module, dispatcher.dispatch)
         module.register_forward_hook(lambda mod, args, out: dispatcher.combine(out))
-        module.register_forward_hook(lambda mod, args, out: dispatcher.restore(), always_call=True)
         return module
 
     def _meshes(self, mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh | None, list[Placement]]:
@@ -109,13 +120,11 @@ class _Dispatcher:
     """The state of one GroupedExperts' exchanges; one entry per call in flight (re-entrant for recomputation)."""
 
     def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh, batch_mesh: DeviceMesh | None, per_rank: int,
-                 sum_grads_over: DeviceMesh | None, reduce: str = "all_to_all") -> None:
+                 reduce: str = "all_to_all") -> None:
         self.experts = experts
         self.ep_mesh, self.batch_mesh, self.per_rank = ep_mesh, batch_mesh, per_rank
-        self.sum_grads_over = sum_grads_over
         self.reduce = reduce  # "all_to_all", "all_reduce" or "auto"
         self.calls: list[dict] = []
-        self.swapped: list[dict[str, nn.Parameter]] = []
 
     def dispatch(self, args: tuple) -> tuple:
         x, index, weights = args[:3]
@@ -144,7 +153,6 @@ class _Dispatcher:
 
         self.calls.append(dict(mode="all_to_all", order=order, weights=weights, send_sizes=send_sizes,
                                recv_sizes=recv_sizes, num_tokens=num_tokens, dtype=x.dtype))
-        self._swap_params()
         ones = torch.ones(received.shape[0], 1, dtype=weights.dtype, device=x.device)
         return (received, local_ids.unsqueeze(1), ones, *args[3:])
 
@@ -161,7 +169,6 @@ class _Dispatcher:
             rows = rows * row_weights.to(rows.dtype)
         self.calls.append(dict(mode="all_reduce", token=token, weights=row_weights, num_tokens=x.shape[0],
                                dtype=x.dtype))
-        self._swap_params()
         ones = torch.ones(rows.shape[0], 1, dtype=weights.dtype, device=x.device)
         return (rows, (index[token, slot] - start).unsqueeze(1), ones, *args[3:])
 
@@ -185,23 +192,6 @@ class _Dispatcher:
         if self.batch_mesh is not None:
             y = _gather_rows(y, self.batch_mesh, call["num_tokens"])
         return y
-
-    def _swap_params(self) -> None:
-        """Expert copies on the batch-sharing ranks each see part of the batch: sum their gradients (2-D mesh)."""
-        swapped = {}
-        if self.sum_grads_over is not None:
-            group = self.sum_grads_over.get_group()
-            for name, p in list(self.experts._parameters.items()):
-                if isinstance(p, DTensor):
-                    local = p.to_local()
-                    swapped[name] = p
-                    self.experts._parameters[name] = _SumGradOverMesh.apply(local, group) if local.requires_grad \
-                        else local
-        self.swapped.append(swapped)
-
-    def restore(self) -> None:
-        if self.swapped:
-            self.experts._parameters.update(self.swapped.pop())
 
 
 def _slice_rows(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

@@ -124,26 +124,9 @@ class NoParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_mesh(device_mesh, self)
         distribute_params(module, device_mesh, {}, self.src_data_rank, buffers=True)
-        owners = [(m, kind, n) for m in module.modules() for kind in ("_parameters", "_buffers")
-                  for n, t in getattr(m, kind).items() if isinstance(t, DTensor)]
-        saved: list[list[tuple[nn.Module, str, str, DTensor]]] = []
-
-        def use_local(mod: nn.Module, args: tuple) -> None:
-            swapped = []
-            for owner, kind, name in owners:
-                t = getattr(owner, kind)[name]
-                if isinstance(t, DTensor):
-                    getattr(owner, kind)[name] = t.to_local()
-                    swapped.append((owner, kind, name, t))
-            saved.append(swapped)
-
-        def restore(mod: nn.Module, args: tuple, out: Any) -> None:
-            for owner, kind, name, t in saved.pop():
-                getattr(owner, kind)[name] = t
-
+        local_during_forward(module, [(table, n) for m in module.modules() for table in (m._parameters, m._buffers)
+                                      for n, t in table.items() if isinstance(t, DTensor)])
         _hook_inputs(module, lambda args: tuple(self._prepare_input(a, device_mesh) for a in args))
-        module.register_forward_pre_hook(use_local)
-        module.register_forward_hook(restore, always_call=True)
         module.register_forward_hook(lambda mod, args, out: _map_tensors(out, _output_converter(self, device_mesh)))
         return module
 
@@ -178,28 +161,15 @@ class LocalParams(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_mesh(device_mesh, self)
         distribute_params(module, device_mesh, self.placements, self.src_data_rank, recurse=False)
-        names = [n for n, p in module.named_parameters(recurse=False) if p is not None]
         group = device_mesh.get_group()
-        saved: list[dict[str, nn.Parameter]] = []
 
-        def use_local(mod: nn.Module, args: tuple) -> None:
-            swapped = {}
-            for n in names:
-                p = mod._parameters[n]
-                if not isinstance(p, DTensor):  # already local: an enclosing swap (see swap_to_local) did it
-                    continue
-                local = p.to_local()
-                if self.sum_grads and p.placements == (Replicate(),) and local.requires_grad:
-                    local = _SumGradOverMesh.apply(local, group)
-                swapped[n] = p
-                mod._parameters[n] = local  # plain tensor for this call only; restored below
-            saved.append(swapped)
+        def to_local(p: DTensor) -> torch.Tensor:
+            if self.sum_grads and p.placements == (Replicate(),) and p.requires_grad:
+                return _SumGradOverMesh.apply(p.to_local(), group)
+            return p.to_local()
 
-        def restore(mod: nn.Module, args: tuple, out: Any) -> None:
-            mod._parameters.update(saved.pop())
-
-        module.register_forward_pre_hook(use_local)
-        module.register_forward_hook(restore, always_call=True)
+        names = [n for n, p in module.named_parameters(recurse=False) if p is not None]
+        local_during_forward(module, [(module._parameters, n) for n in names], to_local)
         return module
 
 
@@ -287,23 +257,32 @@ def swap_to_local(root: nn.Module, params: list[tuple[nn.Module, str]]) -> None:
     ``self.conv1d.weight``), so the parameters of local-compute modules are swapped for the whole forward too.
     Gradients reach the DTensor parameters through ``to_local``.
     """
-    saved: list[list[tuple[nn.Module, str, nn.Parameter]]] = []
+    local_during_forward(root, [(owner._parameters, name) for owner, name in params])
+
+
+def local_during_forward(module: nn.Module, slots: list[tuple[dict, str]],
+                         to_local: Callable[[DTensor], torch.Tensor] = DTensor.to_local) -> None:
+    """During ``module``'s forward, each DTensor in ``slots`` (a module's ``_parameters`` or ``_buffers`` and a
+    name) appears as ``to_local(tensor)``, a plain tensor, and is put back afterwards (also when the forward
+    raises). Gradients reach the DTensors through ``to_local``. Slots already plain (an enclosing swap did
+    it) are left alone."""
+    saved: list[list[tuple[dict, str, DTensor]]] = []
 
     def use_local(mod: nn.Module, args: tuple) -> None:
         swapped = []
-        for owner, name in params:
-            p = owner._parameters.get(name)
-            if isinstance(p, DTensor):
-                owner._parameters[name] = p.to_local()
-                swapped.append((owner, name, p))
+        for table, name in slots:
+            t = table.get(name)
+            if isinstance(t, DTensor):
+                table[name] = to_local(t)
+                swapped.append((table, name, t))
         saved.append(swapped)
 
     def restore(mod: nn.Module, args: tuple, out: Any) -> None:
-        for owner, name, p in saved.pop():
-            owner._parameters[name] = p
+        for table, name, t in saved.pop():
+            table[name] = t
 
-    root.register_forward_pre_hook(use_local)
-    root.register_forward_hook(restore, always_call=True)
+    module.register_forward_pre_hook(use_local)
+    module.register_forward_hook(restore, always_call=True)
 
 
 class _SumOverMesh(torch.autograd.Function):
@@ -353,14 +332,15 @@ def _output_converter(style: NoParallel, mesh: DeviceMesh) -> Callable[[torch.Te
 def distribute_params(
     module: nn.Module,
     mesh: DeviceMesh,
-    placements: dict[str, Placement],
+    placements: dict[str, Placement | Sequence[Placement]],
     src_data_rank: int | None = 0,
     buffers: bool = False,
     recurse: bool = True,
 ) -> None:
     """Turn ``module``'s parameters into DTensors: those named in ``placements`` (direct parameters of
-    ``module``) as given, all others (and, with ``buffers``, all buffers) replicated; with ``recurse=False``
-    only ``module``'s own. Idempotent."""
+    ``module``; one placement per mesh dim, or one placement for a 1-D mesh) as given, all others (and, with
+    ``buffers``, all buffers) replicated; with ``recurse=False`` only ``module``'s own. Idempotent."""
+    replicated = [Replicate()] * mesh.ndim
     for owner in module.modules() if recurse else [module]:
         direct = owner is module
         for name, p in list(owner.named_parameters(recurse=False)):
@@ -368,14 +348,15 @@ def distribute_params(
                 continue
             converted = getattr(p, "_hf_moe_tp_dtensor", None)  # a tied parameter seen in another module
             if converted is None:
-                placement = placements.get(name, Replicate()) if direct else Replicate()
-                dt = distribute_tensor(p.data, mesh, [placement], src_data_rank=src_data_rank)
+                placement = placements.get(name, replicated) if direct else replicated
+                placement = [placement] if isinstance(placement, Placement) else list(placement)
+                dt = distribute_tensor(p.data, mesh, placement, src_data_rank=src_data_rank)
                 converted = p._hf_moe_tp_dtensor = nn.Parameter(dt, requires_grad=p.requires_grad)
             owner.register_parameter(name, converted)
         if buffers:
             for name, b in list(owner.named_buffers(recurse=False)):
                 if b is not None and not isinstance(b, DTensor):
-                    owner._buffers[name] = distribute_tensor(b, mesh, [Replicate()], src_data_rank=src_data_rank)
+                    owner._buffers[name] = distribute_tensor(b, mesh, replicated, src_data_rank=src_data_rank)
 
 
 def _replicated_local(arg: Any, layout: Placement, mesh: DeviceMesh, sizes: dict[tuple[int, int], int],
