@@ -124,11 +124,13 @@ class GroupedExperts(nn.Module):
 
     def store_column_major(self, column_major: bool = True) -> None:
         """Re-lay ``w1``/``w3``/``w2`` in memory (values kept; meta stays meta). Before sharding only."""
-        new = self._empty_like_params({n: getattr(self, n) for n in ("w1", "w3", "w2")}, column_major)
-        for name, t in new.items():
+        for name in ("w1", "w3", "w2"):
             p = getattr(self, name)
+            if p is None:
+                continue
             if isinstance(p, DTensor):
                 raise RuntimeError(f"store_column_major on sharded {name}: call it before parallelize_module")
+            t = empty_weight(p.shape, column_major, dtype=p.dtype, device=p.device)
             if p.device.type != "meta":
                 with torch.no_grad():
                     t.copy_(p)
@@ -138,24 +140,16 @@ class GroupedExperts(nn.Module):
     def materialize(self, device: torch.device | str) -> None:
         """Allocate (uninitialised) the local shards of parameters still on the meta device, in this module's
         layout (column-major or not)."""
-        meta = {n: p for n, p in self.named_parameters(recurse=False) if _local(p).device.type == "meta"}
-        locals_ = {n: _local(p) for n, p in meta.items()}
-        new = self._empty_like_params(locals_, self.column_major, device=device)
-        for name, p in meta.items():
-            t = new[name]
+        for name, p in list(self.named_parameters(recurse=False)):
+            local = _local(p)
+            if local.device.type != "meta":
+                continue
+            column_major = self.column_major and p.dim() == 3
+            t = empty_weight(local.shape, column_major, dtype=p.dtype, device=device)
             if isinstance(p, DTensor):
-                stride = self._empty_like_params({name: p}, self.column_major, device="meta")[name].stride()
+                stride = empty_weight(p.shape, column_major, device="meta").stride()
                 t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=stride)
             setattr(self, name, nn.Parameter(t, requires_grad=p.requires_grad))
-
-    def _empty_like_params(self, params: dict[str, torch.Tensor | None], column_major: bool,
-                           device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, p in params.items():
-            if p is not None:
-                out[name] = empty_weight(p.shape, column_major and p.dim() == 3, dtype=p.dtype,
-                                         device=device or p.device)
-        return out
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """Truncated-normal weights, zero biases (loading a checkpoint overwrites both)."""
