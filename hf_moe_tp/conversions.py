@@ -52,8 +52,10 @@ def parameter_sources(model: nn.Module, targets: dict[str, torch.Tensor], shapes
     """The checkpoint sources of every parameter in ``targets`` (model name -> its tensor), from ``shapes``
     (the checkpoint's tensors under their model names, :func:`model_keys`)."""
     adapter = adapter_for(model)
-    per_expert = per_expert_names_from_conversions(get_model_conversion_mapping(model))
-    aliases = _packed_aliases(model, shapes)
+    conversions = get_model_conversion_mapping(model)  # one deep copy of the family's mapping, shared below
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    per_expert = per_expert_names_from_conversions(conversions)
+    aliases = _packed_aliases(converters, shapes)
     sources: dict[str, list[Source]] = {}
     for prefix, module in model.named_modules():
         layout = getattr(module, "checkpoint_layout", None)
@@ -68,7 +70,7 @@ def parameter_sources(model: nn.Module, targets: dict[str, torch.Tensor], shapes
             found = adapter.expert_sources(prefix, layout, view, per_expert)
             sources.update({name: [dataclasses.replace(s, key=renamed.get(s.key, s.key)) for s in srcs]
                             for name, srcs in found.items()})
-    for name, srcs in {**_converted_sources(model, targets, shapes),
+    for name, srcs in {**_converted_sources(model, converters, targets, shapes),
                        **adapter.extra_sources(model, targets, shapes)}.items():
         sources.setdefault(name, srcs)
     for name in targets:
@@ -77,12 +79,11 @@ def parameter_sources(model: nn.Module, targets: dict[str, torch.Tensor], shapes
     return sources
 
 
-def _packed_aliases(model: nn.Module, shapes: dict[str, tuple]) -> dict[str, tuple[str, bool]]:
+def _packed_aliases(converters: list[WeightConverter], shapes: dict[str, tuple]) -> dict[str, tuple[str, bool]]:
     """Packed expert tensors that transformers' conversion mapping converts rather than renames: de-interleaved
     into ``gate_up_proj`` (``Interleave`` along the gate/up dim: Inkling2's ``w13_weight``), or dequantized where
     the checkpoint holds the weight alone (float, no scales: the identity). Model name -> (renamed checkpoint
     name, whether gate and up interleave)."""
-    converters = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightConverter)]
     groups: dict[tuple[int, str], list[str]] = {}
     for name in shapes:
         for i, conv in enumerate(converters):
@@ -103,15 +104,14 @@ def _packed_aliases(model: nn.Module, shapes: dict[str, tuple]) -> dict[str, tup
     return out
 
 
-def _converted_sources(model: nn.Module, targets: dict[str, torch.Tensor], shapes: dict[str, tuple]
-                       ) -> dict[str, list[Source]]:
+def _converted_sources(model: nn.Module, converters: list[WeightConverter], targets: dict[str, torch.Tensor],
+                       shapes: dict[str, tuple]) -> dict[str, list[Source]]:
     """Sources of parameters that transformers' conversion mapping fuses from several checkpoint tensors
     (``Concatenate``: Kimi-Linear's and Bailing's ``q/k/v_conv1d`` into ``conv1d``) or splits from one (``Split``,
     ``Chunk``: Lara-Mini's ``in_proj`` into ``in_proj_qkv/z/b/a``): each checkpoint tensor fills its range of the
     parameter, so a rank still reads only the part of each tensor its shard needs. ``shapes`` holds checkpoint
-    tensors under their renamed names (:func:`_model_keys`); converters of other operations (the experts'
+    tensors under their renamed names (:func:`model_keys`); converters of other operations (the experts'
     ``MergeModulelist``) are left to the adapters."""
-    converters = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightConverter)]
     prefix = getattr(model, "base_model_prefix", None)
     groups: dict[tuple[int, str], list[tuple[int, str]]] = {}
     for name in shapes:

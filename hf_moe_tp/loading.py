@@ -68,9 +68,10 @@ def load_checkpoint(
     try:
         to_ckpt = model_keys(model, ckpt.keys())
         shapes = {name: ckpt.tensors[key].shape for name, key in to_ckpt.items()}
-        for module in model.modules():  # expert weights in their own layout (w1/w3 sharing one buffer)
+        device = _device(model)
+        for module in model.modules():  # expert weights in their own layout (column-major or not)
             if isinstance(module, GroupedExperts):
-                module.materialize(_device(model))
+                module.materialize(device)
         targets = _targets(model)
         sources = parameter_sources(model, targets, shapes)
         used = {to_ckpt[s.key] for name in targets for s in sources.get(name, []) if s.key in to_ckpt}
@@ -84,7 +85,6 @@ def load_checkpoint(
             more = f" and {len(surprising) - 5} more" if len(surprising) > 5 else ""
             raise CheckpointError(f"{path}: {len(surprising)} checkpoint tensors match no parameter of "
                                   f"{type(model).__name__}: {shown}{more} (strict=False to load anyway)")
-        device = _device(model)
         owners = _owners(model)
         jobs: list[tuple[Request, torch.Tensor]] = []
         for name, tensor in targets.items():
