@@ -364,21 +364,24 @@ def run_ours(path: str, kind: str, full: bool = True) -> dict:
     sharded = bool(experts) and all(getattr(m.w2, "placements", None) and m.w2.placements[0].is_shard()
                                     for m in experts)
     with torch.no_grad():
-        diff = (_full(_output(model, ids, kind)) - _output(ref, ids, kind)).abs().max().item()
+        ref_out = _output(ref, ids, kind)
+        diff = (_full(_output(model, ids, kind)) - ref_out).abs().max().item()
     out = {"diff": diff, "sharded": sharded, "grouped": len(experts), "adapter": adapter_for(model).name}
     if not full:
         return out
     if kind == "causal_lm":
         out["tokens_equal"] = torch.equal(model.generate(ids[:1], max_new_tokens=8, do_sample=False),
                                           ref.generate(ids[:1], max_new_tokens=8, do_sample=False))
-    with torch.no_grad():
-        ref_before = _output(ref, ids, kind)
+    out.update(_compare_steps(model, ref, ids, kind, ref_out))
+    return out
+
+
+def _compare_steps(model, ref, ids, kind, ref_before) -> dict:
+    """One training step of each: loss and logits-after differences, and how far the step moved the reference."""
     loss, after = _train_step(model, ids, kind)
     ref_loss, ref_after = _train_step(ref, ids, kind)
-    out["loss_diff"] = abs(loss - ref_loss)
-    out["after_diff"] = (after - ref_after).abs().max().item()
-    out["step_effect"] = (ref_after - ref_before).abs().max().item()
-    return out
+    return {"loss_diff": abs(loss - ref_loss), "after_diff": (after - ref_after).abs().max().item(),
+            "step_effect": (ref_after - ref_before).abs().max().item()}
 
 
 def step_tolerance(r: dict) -> float:
@@ -408,20 +411,16 @@ def run_native(path: str, kind: str) -> dict:
         _local_numel(p) < torch.Size(ref_shapes.get(n, p.shape)).numel() for n, p in expert_params)
     ids = torch.randint(0, ref.config.get_text_config().vocab_size, (2, 12),
                         generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref_out = _output(ref, ids, kind)
     try:
         with torch.no_grad():
-            out["diff"] = (_full(_output(model, ids, kind)) - _output(ref, ids, kind)).abs().max().item()
+            out["diff"] = (_full(_output(model, ids, kind)) - ref_out).abs().max().item()
     except Exception as e:  # noqa: BLE001
         out["forward_error"] = _short(e)
         return out
     try:
-        with torch.no_grad():
-            ref_before = _output(ref, ids, kind)
-        loss, after = _train_step(model, ids, kind)
-        ref_loss, ref_after = _train_step(ref, ids, kind)
-        out["loss_diff"] = abs(loss - ref_loss)
-        out["after_diff"] = (after - ref_after).abs().max().item()
-        out["step_effect"] = (ref_after - ref_before).abs().max().item()
+        out.update(_compare_steps(model, ref, ids, kind, ref_out))
     except Exception as e:  # noqa: BLE001
         out["train_error"] = _short(e)
     return out
