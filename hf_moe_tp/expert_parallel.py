@@ -175,7 +175,7 @@ class _Dispatcher:
     def _combine_local(self, out: torch.Tensor, call: dict) -> torch.Tensor:
         if not self.experts.score_before_experts:
             out = out * call["weights"]
-        y = out.new_zeros((call["num_tokens"], out.shape[-1])).index_add(0, call["token"], out)
+        y = out.new_zeros((call["num_tokens"], out.shape[-1])).index_add_(0, call["token"], out)
         return _SumOverMesh.apply(y, self.ep_mesh.get_group()).to(call["dtype"])
 
     def combine(self, out: torch.Tensor) -> torch.Tensor:
@@ -183,7 +183,7 @@ class _Dispatcher:
         if call["mode"] == "all_reduce":
             return self._combine_local(out, call)
         back = _AllToAll.apply(out, call["send_sizes"], call["recv_sizes"], self.ep_mesh.get_group())
-        back = back.new_empty(back.shape).index_copy(0, call["order"], back)
+        back = torch.empty_like(back).index_copy_(0, call["order"], back)
         weights = call["weights"]
         back = back.view(*weights.shape, back.shape[-1])
         if not self.experts.score_before_experts:

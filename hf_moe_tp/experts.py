@@ -194,7 +194,7 @@ class GroupedExperts(nn.Module):
         # dtype (fp32 from most routers) and rounds once, as transformers does.
         if not self.score_before_experts:
             out = out * row_weights
-        out = out.new_empty(out.shape).index_copy(0, order, out)
+        out = torch.empty_like(out).index_copy_(0, order, out)  # in place: the out-of-place op clones first
         return out.view(num_tokens, top_k, out.size(-1)).sum(dim=1).to(x.dtype)
 
     def extra_repr(self) -> str:
