@@ -3,6 +3,10 @@ inference forward and a training step, fp32 and bf16, tokens per second, and col
 
     python bench/forward.py [--batch 4] [--seq 512] [--repeats 5] [--tp 2] [--layer-only]
 
+A third row, ``hf_moe_tp loss_parallel``, is the training step with ``from_pretrained(loss_parallel=True)``:
+the loss from logits split over the vocabulary, never gathered (its inference column is left out: its logits
+stay split, so it is not the same output). Its collectives are counted on a forward with labels.
+
 Both models load the same files (bench/load.py makes them). Each measurement is the median of ``--repeats``
 runs after one warm-up, on every rank; collectives are counted on one forward. First, one MoE layer: the
 first layer's TensorParallel experts against the least work the same computation needs on this rank's shards
@@ -30,8 +34,9 @@ def bench_rank(path: str, which: str, dtype_name: str, batch: int, seq: int, rep
     import hf_moe_tp
 
     dtype = getattr(torch, dtype_name)
-    if which == "hf_moe_tp":
-        model = hf_moe_tp.from_pretrained(path, dtype=dtype)
+    loss_parallel = which == "hf_moe_tp loss_parallel"
+    if which.startswith("hf_moe_tp"):
+        model = hf_moe_tp.from_pretrained(path, dtype=dtype, loss_parallel=loss_parallel)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
@@ -39,14 +44,14 @@ def bench_rank(path: str, which: str, dtype_name: str, batch: int, seq: int, rep
 
     model.eval()
     with torch.no_grad(), count_bytes() as (counts, _):
-        model(ids)
+        model(ids, labels=ids) if loss_parallel else model(ids)
     collectives = dict(counts)
 
     def timed(fn) -> float:
         return median_time(fn, repeats)
 
     with torch.no_grad():
-        infer = timed(lambda: model(ids))
+        infer = float("nan") if loss_parallel else timed(lambda: model(ids))
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
 
@@ -129,7 +134,7 @@ def main() -> None:
         return
     for dtype in args.dtypes:
         results = {}
-        for which in ("hf_moe_tp", "transformers tp_plan=auto"):
+        for which in ("hf_moe_tp", "hf_moe_tp loss_parallel", "transformers tp_plan=auto"):
             ranks = run_on_ranks(bench_rank, args.tp, str(args.dir), which, dtype, args.batch, args.seq,
                                  args.repeats, timeout=3600)
             results[which] = ranks[0]  # every rank runs the same steps; rank 0 speaks for the job
@@ -139,8 +144,10 @@ def main() -> None:
             print(f"  {which:<27} inference {r['infer_tok_s']:9.0f} tok/s   training {r['train_tok_s']:9.0f} tok/s   "
                   f"collectives per forward {r['collectives']}{extra}")
         ours, ref = results["hf_moe_tp"], results["transformers tp_plan=auto"]
+        lp = results["hf_moe_tp loss_parallel"]
         print(f"  hf_moe_tp / transformers: inference {ours['infer_tok_s'] / ref['infer_tok_s']:.2f}x, "
-              f"training {ours['train_tok_s'] / ref['train_tok_s']:.2f}x")
+              f"training {ours['train_tok_s'] / ref['train_tok_s']:.2f}x, "
+              f"training with loss_parallel {lp['train_tok_s'] / ref['train_tok_s']:.2f}x")
 
 
 if __name__ == "__main__":

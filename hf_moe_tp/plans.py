@@ -48,8 +48,8 @@ STYLE_NAMES = {
 ROUTER_NAMES = ("gate", "router")
 
 
-def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, ep_size: int | None = None
-            ) -> dict[str, ParallelStyle]:
+def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, ep_size: int | None = None,
+            loss_parallel: bool = False) -> dict[str, ParallelStyle]:
     """The default plan for ``model`` (with GroupedExperts swapped in), or for the causal-LM model that
     ``config`` describes: module name -> style.
 
@@ -60,6 +60,9 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, 
     can be kept: a linear layer is split only when the split size divides (heads for attention, features for
     MLPs, the vocabulary for embeddings); otherwise it stays replicated. Tied input/output embeddings stay
     replicated.
+
+    ``loss_parallel``: a split output projection returns its logits as a DTensor split over the vocabulary
+    instead of gathering them, for :func:`hf_moe_tp.loss.causal_lm_loss`.
     """
     if isinstance(model, PretrainedConfig):
         model = meta_model(model)
@@ -94,7 +97,16 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, 
                 rname = f"{parent}.{router}" if parent else router
                 if rname in modules and rname not in plan:
                     plan[rname] = NoParallel()
+    if loss_parallel:
+        head = _output_embedding_name(model)
+        if isinstance(plan.get(head), ColwiseParallel):
+            plan[head] = ColwiseParallel(use_local_output=False)  # logits stay Shard(-1): never gathered
     return plan
+
+
+def _output_embedding_name(model: nn.Module) -> str | None:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return next((name for name, module in model.named_modules() if module is head), None) if head else None
 
 
 def sink_entries(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:

@@ -17,6 +17,7 @@ from . import plans
 from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
 from .loading import load_checkpoint
+from .loss import causal_lm_loss
 
 
 def from_pretrained(
@@ -29,6 +30,7 @@ def from_pretrained(
     model_class: type | None = None,
     threads: int | None = None,
     record_reads: bool = False,
+    loss_parallel: bool = False,
 ) -> PreTrainedModel:
     """Load a Hugging Face MoE model tensor-parallel over ``device_mesh`` (or all ranks).
 
@@ -48,6 +50,10 @@ def from_pretrained(
     whose gradients the caller averages over ``ep``). A 2-D ``device_mesh`` with an ``"ep"`` dimension selects
     the latter too. ``tp_plan`` entries set to ``ExpertParallel`` select EP with the plan form.
 
+    ``loss_parallel``: the training loss from logits split over the vocabulary (:mod:`hf_moe_tp.loss`), never
+    gathered; the outputs' ``logits`` are then a DTensor split over the vocabulary (``.full_tensor()`` for the
+    whole). For training; leave it off for generation.
+
     Failures never leave a rank waiting: whatever fails on any rank (a bad file, a read error on one rank, a
     mesh that leaves this rank out), every rank raises :class:`LoadError` naming each failed rank's error.
     """
@@ -61,10 +67,13 @@ def from_pretrained(
         config = AutoConfig.from_pretrained(path)
         model = plans.meta_model(config, model_class, dtype)
         _buffers_to(model, _mesh_device(mesh))  # the loader allocates parameters where the buffers are
-        plan = _plan(model, tp_plan, mesh, ep_size=ep_size or (ep_mesh["ep"].size() if ep_mesh else None))
+        plan = _plan(model, tp_plan, mesh, ep_size=ep_size or (ep_mesh["ep"].size() if ep_mesh else None),
+                     loss_parallel=loss_parallel)
         plans.apply_plan(model, mesh, plan, ep_mesh=ep_mesh)
         model.hf_moe_tp_mesh, model.hf_moe_tp_ep_mesh = mesh, ep_mesh
         model.hf_moe_tp_plan = plan
+        if loss_parallel:
+            model.loss_function = causal_lm_loss
         model.hf_moe_tp_load = load_checkpoint(model, path, threads=threads, record_reads=record_reads)
         if (path / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(path)
@@ -97,9 +106,10 @@ def agree(error: BaseException | None) -> None:
         raise LoadError(failures) from error
 
 
-def _plan(model: nn.Module, plan, mesh: DeviceMesh, ep_size: int | None = None) -> dict[str, ParallelStyle]:
+def _plan(model: nn.Module, plan, mesh: DeviceMesh, ep_size: int | None = None, loss_parallel: bool = False
+          ) -> dict[str, ParallelStyle]:
     if plan == "auto":
-        return plans.tp_plan(model, mesh.size(), ep_size=ep_size)
+        return plans.tp_plan(model, mesh.size(), ep_size=ep_size, loss_parallel=loss_parallel)
     if plan is None:  # nothing split; with ep_size, expert parallelism alone
         if ep_size and ep_size > 1:
             return {n: ExpertParallel() for n, m in model.named_modules() if isinstance(m, GroupedExperts)}

@@ -1,0 +1,99 @@
+"""Vocabulary-parallel cross-entropy: the causal-LM loss from logits split over the vocabulary, never gathered.
+
+With the output projection column-parallel (``lm_head`` split over the vocabulary), each rank holds the logits
+of its vocabulary slice. Gathering them costs an all-gather of (tokens, vocab) values and a whole-vocabulary
+log-softmax on every rank. Instead each rank reduces its slice to three numbers per token: the max, the sum
+of exponentials and the target's logit (zero unless the target falls in this rank's slice), combined with two
+all-reduces of (tokens,) values. The backward needs no communication: the gradient of a rank's logits is
+``softmax - one_hot(target)`` over its own slice (Megatron-LM's ``vocab_parallel_cross_entropy``).
+
+:func:`causal_lm_loss` has the signature of transformers' ``ForCausalLMLoss``; set as a model's
+``loss_function`` (``from_pretrained(..., loss_parallel=True)`` does) it takes the logits as a DTensor split
+over the vocabulary, as ``ColwiseParallel(use_local_output=False)`` returns them, and falls back to
+transformers' loss for anything else.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss`` for logits that are a DTensor split over the vocabulary (last dim) on a
+    1-D mesh: the mean (or, with ``num_items_in_batch``, the sum divided by it) of the next-token
+    cross-entropy, the same number on every rank. Other logits go to transformers' own loss."""
+    if not _vocab_sharded(logits):
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                               ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+    if shift_labels is None:  # tokens < n predict n, as transformers shifts
+        labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:]
+    local = logits.to_local().float()
+    mesh = logits.device_mesh
+    start = _slice_start(logits.shape[-1], mesh.get_local_rank(0), mesh.size(0))
+    targets = shift_labels.reshape(-1).to(local.device)
+    losses = _VocabParallelCrossEntropy.apply(local.reshape(-1, local.shape[-1]), targets, start, ignore_index,
+                                              mesh.get_group(0))
+    if num_items_in_batch is None:
+        return losses.sum() / (targets != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(losses.device)
+    return losses.sum() / num_items_in_batch
+
+
+def _vocab_sharded(logits: torch.Tensor) -> bool:
+    if not isinstance(logits, DTensor) or logits.device_mesh.ndim != 1:
+        return False
+    placement = logits.placements[0]
+    return isinstance(placement, Shard) and placement.dim in (-1, logits.dim() - 1)
+
+
+def _slice_start(vocab: int, rank: int, size: int) -> int:
+    """First vocabulary index of ``rank``'s slice (DTensor's Shard: torch.chunk sizes)."""
+    per = -(-vocab // size)
+    return min(rank * per, vocab)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-row cross-entropy of (N, V/p) local logits against whole-vocabulary targets (ignored rows give 0)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int, ignore_index: int,  # type: ignore[override]
+                group) -> torch.Tensor:
+        row_max = logits.max(dim=-1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        exp = (logits - row_max.unsqueeze(-1)).exp_()
+        local_target = targets - start
+        mine = (local_target >= 0) & (local_target < logits.shape[-1]) & (targets != ignore_index)
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        column = local_target.clamp(0, logits.shape[-1] - 1)
+        sums = torch.stack([exp.sum(dim=-1), torch.where(mine, logits[rows, column], 0.0)])
+        dist.all_reduce(sums, group=group)  # sum of exponentials, and the target's logit from its owner
+        losses = sums[0].log() + row_max - sums[1]
+        valid = targets != ignore_index
+        losses = torch.where(valid, losses, 0.0)
+        exp.div_(sums[0].unsqueeze(-1))  # this slice of the softmax, kept for the backward
+        ctx.save_for_backward(exp, column, mine, valid)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        softmax, column, mine, valid = ctx.saved_tensors
+        scale = grad * valid
+        out = softmax * scale.unsqueeze(-1)  # a new tensor: the saved softmax stays for a second backward
+        rows = torch.arange(out.shape[0], device=out.device)
+        out[rows, column] -= scale * mine
+        return out, None, None, None, None
