@@ -6,23 +6,20 @@ Prints the median time of each implementation (forward; forward+backward) in fp3
 the raw kernel run on the same weights with the same routing (the limit). Implementations are interleaved
 in every repeat, in a rotating order, so that machine noise and allocator state hit them alike.
 
-glibc hands large freed blocks back to the OS, so whichever implementation happens to cross its trim
-threshold re-faults tens of MB per call (measured: up to 16k minor faults, +30 ms, on a 55 ms bf16 forward).
-The script therefore re-runs itself with glibc's mmap/trim thresholds raised, which compares the compute;
-``--system-malloc`` keeps the defaults. Minor page faults per call are printed either way.
+The script re-runs itself with glibc's mmap/trim thresholds raised (bench/allocator.py), which compares the
+compute; ``--system-malloc`` keeps the defaults. Minor page faults per call are printed either way.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import os
 import resource
 import statistics
-import sys
 import time
 
 import torch
+from allocator import pin_malloc
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
@@ -61,9 +58,6 @@ def build(args, dtype):
     return impls
 
 
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
-
-
 def time_once(fn, x, index, weights, upstream, backward):
     """Seconds and minor page faults for one call."""
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -88,11 +82,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--system-malloc", action="store_true", help="keep glibc's default malloc thresholds")
     args = p.parse_args()
-    if not args.system_malloc and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
+    malloc = pin_malloc(args.system_malloc)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; tokens={args.tokens} dim={args.dim} "
           f"hidden={args.hidden} experts={args.experts} top_k={args.top_k}; median of {args.repeats}; "
-          f"{'default' if args.system_malloc else 'pinned'} malloc thresholds")
+          f"{malloc}")
     g = torch.Generator().manual_seed(1)
     index = torch.rand(args.tokens, args.experts, generator=g).topk(args.top_k, -1).indices
     weights = torch.rand(args.tokens, args.top_k, generator=g).softmax(-1)

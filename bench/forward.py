@@ -7,10 +7,13 @@ A third row, ``hf_moe_tp loss_parallel``, is the training step with ``from_pretr
 the loss from logits split over the vocabulary, never gathered (its inference column is left out: its logits
 stay split, so it is not the same output). Its collectives are counted on a forward with labels.
 
-Both models load the same files (bench/load.py makes them). Each measurement is the median of ``--repeats``
-runs after one warm-up, on every rank; collectives are counted on one forward. First, one MoE layer: the
-first layer's TensorParallel experts against the least work the same computation needs on this rank's shards
-(raw grouped matmuls and one all-reduce), interleaved.
+All variants load the same files (bench/load.py makes them) into the same ranks and are timed in rotation;
+each figure is the median of ``--repeats`` runs after one warm-up round; collectives are counted on one
+forward. Ranks run with glibc's malloc thresholds pinned (bench/allocator.py; ``--system-malloc`` keeps the
+defaults), so freed activations are reused instead of re-faulted, for every variant alike.
+
+First, one MoE layer: the first layer's TensorParallel experts against the least work the same computation
+needs on this rank's shards (raw grouped matmuls and one all-reduce), interleaved.
 """
 
 from __future__ import annotations
@@ -21,52 +24,64 @@ import time
 from pathlib import Path
 
 import torch
-from collectives import count_bytes, median_time
+from allocator import pin_malloc
+from collectives import count_bytes
 
 from hf_moe_tp.launch import run_on_ranks
 
 DEFAULT_DIR = Path.home() / ".cache/hf_moe_tp/bench-mixtral-1.5g"
 
 
-def bench_rank(path: str, which: str, dtype_name: str, batch: int, seq: int, repeats: int) -> dict:
+VARIANTS = ("hf_moe_tp", "hf_moe_tp loss_parallel", "transformers tp_plan=auto")
+
+
+def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int) -> dict:
+    """Every variant loaded in the same ranks, then timed in rotation (ours, ours loss_parallel, transformers,
+    ours, ...), so drift in the machine's speed hits them alike."""
     from transformers import AutoModelForCausalLM
 
     import hf_moe_tp
 
     dtype = getattr(torch, dtype_name)
-    loss_parallel = which == "hf_moe_tp loss_parallel"
-    if which.startswith("hf_moe_tp"):
-        model = hf_moe_tp.from_pretrained(path, dtype=dtype, loss_parallel=loss_parallel)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype)
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    models = {
+        "hf_moe_tp": hf_moe_tp.from_pretrained(path, dtype=dtype),
+        "hf_moe_tp loss_parallel": hf_moe_tp.from_pretrained(path, dtype=dtype, loss_parallel=True),
+        "transformers tp_plan=auto": AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype),
+    }
+    ids = torch.randint(0, 32000, (batch, seq), generator=torch.Generator().manual_seed(0))
     tokens = batch * seq
+    results = {}
+    for name, model in models.items():
+        model.eval()
+        with torch.no_grad(), count_bytes() as (counts, _):
+            model(ids, labels=ids) if "loss_parallel" in name else model(ids)
+        results[name] = {"collectives": dict(counts), "infer": [], "train": []}
 
-    model.eval()
-    with torch.no_grad(), count_bytes() as (counts, _):
-        model(ids, labels=ids) if loss_parallel else model(ids)
-    collectives = dict(counts)
+    def infer(model) -> None:
+        with torch.no_grad():
+            model(ids)
 
-    def timed(fn) -> float:
-        return median_time(fn, repeats)
-
-    with torch.no_grad():
-        infer = float("nan") if loss_parallel else timed(lambda: model(ids))
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-
-    def step():
+    def step(model, opt) -> None:
         opt.zero_grad()
         model(ids, labels=ids).loss.backward()
         opt.step()
 
-    try:
-        train = timed(step)
-        train_error = None
-    except Exception as e:  # transformers' native TP fails on some families' training step
-        train, train_error = float("nan"), f"{type(e).__name__}: {str(e)[:120]}"
-    return {"infer_tok_s": tokens / infer, "train_tok_s": tokens / train, "collectives": collectives,
-            "train_error": train_error}
+    for kind in ("infer", "train"):
+        opts = {}
+        for name, model in models.items():
+            model.train(kind == "train")
+            opts[name] = torch.optim.SGD(model.parameters(), lr=1e-6)
+        for i in range(repeats + 1):  # the first round warms up
+            for name, model in models.items():
+                if kind == "infer" and "loss_parallel" in name:
+                    continue  # its logits stay split: not the same output
+                start = time.perf_counter()
+                infer(model) if kind == "infer" else step(model, opts[name])
+                if i:
+                    results[name][kind].append(time.perf_counter() - start)
+    return {name: {"infer_tok_s": tokens / statistics.median(r["infer"]) if r["infer"] else float("nan"),
+                   "train_tok_s": tokens / statistics.median(r["train"]), "collectives": r["collectives"]}
+            for name, r in results.items()}
 
 
 def layer_rank(path: str, dtype_name: str, tokens: int, repeats: int) -> dict:
@@ -120,10 +135,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--layer-only", action="store_true", help="only the one-MoE-layer comparison")
+    p.add_argument("--system-malloc", action="store_true", help="keep glibc's default malloc thresholds")
     args = p.parse_args()
+    malloc = pin_malloc(args.system_malloc)
     if not (args.dir / "config.json").is_file():
         raise SystemExit(f"{args.dir} is missing: run bench/load.py first (it makes the checkpoint)")
-    print(f"{args.dir.name}, TP={args.tp}, batch {args.batch} x {args.seq} tokens, median of {args.repeats}")
+    print(f"{args.dir.name}, TP={args.tp}, batch {args.batch} x {args.seq} tokens, median of {args.repeats}, {malloc}")
     tokens = args.batch * args.seq
     for dtype in args.dtypes:
         r = run_on_ranks(layer_rank, args.tp, str(args.dir), dtype, tokens, max(args.repeats, 5), timeout=3600)[0]
@@ -133,22 +150,17 @@ def main() -> None:
     if args.layer_only:
         return
     for dtype in args.dtypes:
-        results = {}
-        for which in ("hf_moe_tp", "hf_moe_tp loss_parallel", "transformers tp_plan=auto"):
-            ranks = run_on_ranks(bench_rank, args.tp, str(args.dir), which, dtype, args.batch, args.seq,
-                                 args.repeats, timeout=3600)
-            results[which] = ranks[0]  # every rank runs the same steps; rank 0 speaks for the job
+        # every rank runs the same steps; rank 0 speaks for the job
+        results = run_on_ranks(bench_rank, args.tp, str(args.dir), dtype, args.batch, args.seq, args.repeats,
+                               timeout=3600)[0]
         print(f"\n{dtype}")
         for which, r in results.items():
-            extra = f"   (training step failed: {r['train_error']})" if r["train_error"] else ""
             print(f"  {which:<27} inference {r['infer_tok_s']:9.0f} tok/s   training {r['train_tok_s']:9.0f} tok/s   "
-                  f"collectives per forward {r['collectives']}{extra}")
-        ours, ref = results["hf_moe_tp"], results["transformers tp_plan=auto"]
-        lp = results["hf_moe_tp loss_parallel"]
+                  f"collectives per forward {r['collectives']}")
+        ours, lp, ref = (results[v] for v in VARIANTS)
         print(f"  hf_moe_tp / transformers: inference {ours['infer_tok_s'] / ref['infer_tok_s']:.2f}x, "
               f"training {ours['train_tok_s'] / ref['train_tok_s']:.2f}x, "
               f"training with loss_parallel {lp['train_tok_s'] / ref['train_tok_s']:.2f}x")
-
 
 if __name__ == "__main__":
     main()
