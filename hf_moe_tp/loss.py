@@ -10,7 +10,8 @@ all-reduces of (tokens,) values. The backward needs no communication: the gradie
 :func:`causal_lm_loss` has the signature of transformers' ``ForCausalLMLoss``; set as a model's
 ``loss_function`` (``from_pretrained(..., loss_parallel=True)`` does) it takes the logits as a DTensor split
 over the vocabulary, as ``ColwiseParallel(use_local_output=False)`` returns them, and falls back to
-transformers' loss for anything else.
+transformers' loss for anything else. :func:`gather_logits_without_loss` makes the model gather them as usual
+whenever it computes no loss (inference, ``generate``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,19 @@ def causal_lm_loss(
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(losses.device)
     return losses.sum() / num_items_in_batch
+
+
+def gather_logits_without_loss(model: nn.Module) -> None:
+    """Have ``model``'s outputs carry whole logits (a plain tensor, as without the vocabulary-parallel loss)
+    whenever no loss was computed; with a loss, the logits stay split (``.full_tensor()`` gathers them)."""
+    model.register_forward_hook(_gather_unless_loss)
+
+
+def _gather_unless_loss(module: nn.Module, args: tuple, output):
+    logits = getattr(output, "logits", None)
+    if getattr(output, "loss", None) is None and _vocab_sharded(logits):
+        output.logits = logits.full_tensor()
+    return output
 
 
 def _vocab_sharded(logits: torch.Tensor) -> bool:

@@ -70,9 +70,15 @@ def _model_step(path: str):
     ref_out.loss.backward()
     for m in (model, ref):
         torch.optim.SGD(m.parameters(), lr=1e-2).step()
+    model.eval()
+    ref.eval()
     with torch.no_grad():
-        after, ref_after = model(ids).logits.full_tensor(), ref(ids).logits
+        after, ref_after = model(ids).logits, ref(ids).logits  # no loss: gathered, a plain tensor
+    tokens = model.generate(ids[:1], max_new_tokens=8, do_sample=False)
+    ref_tokens = ref.generate(ids[:1], max_new_tokens=8, do_sample=False)
     return {
+        "plain_without_loss": not isinstance(after, DTensor),
+        "tokens_equal": torch.equal(tokens, ref_tokens),
         "sharded": isinstance(logits, DTensor) and logits.placements == (Shard(2),),
         "local_vocab": local_vocab,
         "loss": abs(out.loss.item() - ref_out.loss.item()),
@@ -83,9 +89,11 @@ def _model_step(path: str):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_from_pretrained_loss_parallel(ranks, tmp_path, world):
-    """The logits stay split over the vocabulary (a quarter or half per rank), and loss, logits and logits
-    after one SGD step match transformers within 2e-5."""
+    """With labels the logits stay split over the vocabulary (a quarter or half per rank); loss, logits and
+    logits after one SGD step match transformers within 2e-5. Without labels the logits are gathered (a plain
+    tensor) and greedy generation gives transformers' tokens."""
     path = save_family("mixtral", tmp_path)
     for r in ranks(world).run(_model_step, str(path)):
         assert r["sharded"] and r["local_vocab"] * world == 128, r
+        assert r["plain_without_loss"] and r["tokens_equal"], r
         assert r["loss"] <= 2e-5 and r["logits"] <= 2e-5 and r["after_step"] <= 2e-5, r
