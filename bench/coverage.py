@@ -348,15 +348,16 @@ def _reference(path: str, kind: str):
     return ref
 
 
-def run_ours(path: str, kind: str, full: bool = True) -> dict:
-    """hf_moe_tp at this world size against transformers in one process (on every rank)."""
+def run_ours(path: str, kind: str, full: bool = True, loss_parallel: bool = False) -> dict:
+    """hf_moe_tp at this world size against transformers in one process (on every rank); ``loss_parallel``:
+    loaded with the vocabulary-parallel loss (the training step's loss from split logits)."""
     import hf_moe_tp
     from hf_moe_tp import GroupedExperts
     from model_patches import adapter_for
 
     torch.manual_seed(0)
     cls = model_class(kind)
-    model = hf_moe_tp.from_pretrained(path, model_class=cls)
+    model = hf_moe_tp.from_pretrained(path, model_class=cls, loss_parallel=loss_parallel)
     ref = _reference(path, kind)
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (2, 12),
                         generator=torch.Generator().manual_seed(1))
@@ -367,6 +368,10 @@ def run_ours(path: str, kind: str, full: bool = True) -> dict:
         ref_out = _output(ref, ids, kind)
         diff = (_full(_output(model, ids, kind)) - ref_out).abs().max().item()
     out = {"diff": diff, "sharded": sharded, "grouped": len(experts), "adapter": adapter_for(model).name}
+    if loss_parallel:
+        out["split_loss"] = any(getattr(style, "use_local_output", True) is False
+                                for style in model.hf_moe_tp_plan.values()
+                                if type(style).__name__ == "ColwiseParallel")
     if not full:
         return out
     if kind == "causal_lm":
@@ -470,6 +475,7 @@ class Result:
     diff: float | None = None
     uneven_diff: float | None = None
     ours_reason: str = ""
+    split_loss: bool | None = None  # with --loss-parallel: the loss came from logits split over the vocabulary
     native: str = "-"
     native_sharded: bool | None = None
     native_diff: float | None = None
@@ -502,7 +508,8 @@ def ours_passes(r: dict) -> str:
     return "; ".join(bad)
 
 
-def run_family(pool, family: Family, root: Path, timeout: float, native: bool = True) -> Result:
+def run_family(pool, family: Family, root: Path, timeout: float, native: bool = True,
+               loss_parallel: bool = False) -> Result:
     res = Result(family.name, family.model_type, family.expert_classes, family.flags)
     start = time.perf_counter()
     try:
@@ -514,8 +521,8 @@ def run_family(pool, family: Family, root: Path, timeout: float, native: bool = 
         res.seconds = time.perf_counter() - start
         return res
     try:
-        r = pool.run(run_ours, str(path), kind, timeout=timeout)[0]
-        res.adapter, res.diff = r["adapter"], r["diff"]
+        r = pool.run(run_ours, str(path), kind, True, loss_parallel, timeout=timeout)[0]
+        res.adapter, res.diff, res.split_loss = r["adapter"], r["diff"], r.get("split_loss")
         res.ours_reason = ours_passes(r)
         if not res.ours_reason:
             upath, _ = save_tiny(family, root, expert_hidden=21)
@@ -554,7 +561,7 @@ def run_family(pool, family: Family, root: Path, timeout: float, native: bool = 
 
 
 def run_matrix(names: list[str] | None = None, *, timeout: float = 180.0, native: bool = True,
-               log=print) -> list[Result]:
+               loss_parallel: bool = False, log=print) -> list[Result]:
     from hf_moe_tp.launch import RankPool
 
     families = discover()
@@ -564,7 +571,7 @@ def run_matrix(names: list[str] | None = None, *, timeout: float = 180.0, native
     with tempfile.TemporaryDirectory() as tmp, RankPool(2, timeout=timeout) as pool:
         for family in families:
             try:
-                res = run_family(pool, family, Path(tmp), timeout, native)
+                res = run_family(pool, family, Path(tmp), timeout, native, loss_parallel)
             except Exception:  # noqa: BLE001 - never let one family stop the run
                 res = Result(family.name, family.model_type, family.expert_classes, family.flags,
                              ours_reason=traceback.format_exc().strip().splitlines()[-1][:220])
@@ -656,6 +663,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "docs" / "models.md"))
     parser.add_argument("--json", default="", help="also write the results as JSON here")
     parser.add_argument("--list", action="store_true", help="only list the discovered families")
+    parser.add_argument("--loss-parallel", action="store_true",
+                        help="load ours with loss_parallel=True (the training step's loss from split logits)")
     args = parser.parse_args(argv)
     if args.list:
         for f in discover():
@@ -663,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.perf_counter()
     results = run_matrix([n for n in args.families.split(",") if n] or None, timeout=args.timeout,
-                         native=not args.no_native)
+                         native=not args.no_native, loss_parallel=args.loss_parallel)
     seconds = time.perf_counter() - start
     if args.out:
         write_markdown(results, Path(args.out), seconds)
@@ -671,6 +680,10 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
     print(f"{sum(r.ours == 'pass' for r in results)}/{len(results)} pass (ours), "
           f"{sum(r.native == 'pass' for r in results)} native, {seconds:.0f} s")
+    if args.loss_parallel:
+        split = [r.family for r in results if r.split_loss]
+        print(f"loss from split logits in {len(split)} families; transformers' loss (lm_head not split) in "
+              f"{', '.join(r.family for r in results if not r.split_loss) or 'none'}")
     return 0
 
 
