@@ -58,7 +58,8 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, 
 
     ``tp_size`` (default: the world size when a process group exists) decides which of transformers' entries
     can be kept: a linear layer is split only when the split size divides (heads for attention, features for
-    MLPs, the vocabulary for embeddings); otherwise it stays replicated. Tied input/output embeddings stay
+    MLPs, the vocabulary for embeddings); otherwise it stays replicated. An untied output projection that
+    transformers' plan leaves out is split over the vocabulary too. Tied input/output embeddings stay
     replicated.
 
     ``loss_parallel``: a split output projection returns its logits as a DTensor split over the vocabulary
@@ -82,6 +83,10 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, 
                 continue
             if tp_size is None or _divides(name, module, style_name, config, tp_size):
                 plan[name] = HF_STYLES[style_name]()
+    head = _output_embedding_name(model)
+    if (head and head not in plan and not tied and tp_size and isinstance(modules[head], nn.Linear)
+            and modules[head].out_features % tp_size == 0):
+        plan[head] = HF_STYLES["colwise_gather_output"]()  # families whose transformers plan leaves it whole
     from model_patches import adapter_for
 
     from .hf_plan import entries
