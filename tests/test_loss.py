@@ -97,3 +97,18 @@ def test_from_pretrained_loss_parallel(ranks, tmp_path, world):
         assert r["sharded"] and r["local_vocab"] * world == 128, r
         assert r["plain_without_loss"] and r["tokens_equal"], r
         assert r["loss"] <= 2e-5 and r["logits"] <= 2e-5 and r["after_step"] <= 2e-5, r
+
+
+def _tied_loss(path: str):
+    model = hf_moe_tp.from_pretrained(path, loss_parallel=True)
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    out = model(ids, labels=ids)
+    return isinstance(out.logits, DTensor), abs(out.loss.item() - ref(ids, labels=ids).loss.item())
+
+
+def test_whole_head_falls_back(ranks, tmp_path):
+    """A tied (replicated) lm_head gives whole logits: transformers' own loss, the same number."""
+    path = save_family("qwen3_moe", tmp_path, tied=True)
+    for split, diff in ranks(2).run(_tied_loss, str(path)):
+        assert not split and diff <= 2e-5, (split, diff)
