@@ -112,3 +112,20 @@ def test_whole_head_falls_back(ranks, tmp_path):
     path = save_family("qwen3_moe", tmp_path, tied=True)
     for split, diff in ranks(2).run(_tied_loss, str(path)):
         assert not split and diff <= 2e-5, (split, diff)
+
+
+def _ep_tp_loss(path: str):
+    """On a 2 x 2 (ep, tp) mesh each ep coordinate runs its own batch; the loss comes from logits split over tp."""
+    model = hf_moe_tp.from_pretrained(path, ep_size=2, loss_parallel=True)
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+    ep = model.hf_moe_tp_ep_mesh["ep"].get_local_rank()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(10 + ep))
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return isinstance(out.logits, DTensor), abs(out.loss.item() - ref(ids, labels=ids).loss.item())
+
+
+def test_ep_tp_mesh(ranks, tmp_path):
+    path = save_family("mixtral", tmp_path)
+    for split, diff in ranks(4).run(_ep_tp_loss, str(path)):
+        assert split and diff <= 2e-5, (split, diff)
