@@ -5,7 +5,7 @@ inference forward and a training step, fp32 and bf16, tokens per second, and col
 
 A third row, ``hf_moe_tp loss_parallel``, is the training step with ``from_pretrained(loss_parallel=True)``:
 the loss from logits split over the vocabulary, never gathered (its inference column is left out: its logits
-stay split, so it is not the same output). Its collectives are counted on a forward with labels.
+stay split, so it is not the same output). Its collectives are counted on a training-mode forward with labels.
 
 All variants load the same files (bench/load.py makes them) into the same ranks and are timed in rotation;
 each figure is the median of ``--repeats`` runs after one warm-up round; collectives are counted on one
@@ -52,7 +52,7 @@ def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int) -
     tokens = batch * seq
     results = {}
     for name, model in models.items():
-        model.eval()
+        model.train("loss_parallel" in name)  # the split loss is the training-mode forward with labels
         with torch.no_grad(), count_bytes() as (counts, _):
             model(ids, labels=ids) if "loss_parallel" in name else model(ids)
         results[name] = {"collectives": dict(counts), "infer": [], "train": []}

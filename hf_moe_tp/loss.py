@@ -10,8 +10,9 @@ all-reduces of (tokens,) values. The backward needs no communication: the gradie
 :func:`causal_lm_loss` has the signature of transformers' ``ForCausalLMLoss``; set as a model's
 ``loss_function`` (``from_pretrained(..., loss_parallel=True)`` does) it takes the logits as a DTensor split
 over the vocabulary, as ``ColwiseParallel(use_local_output=False)`` returns them, and falls back to
-transformers' loss for anything else. :func:`gather_logits_without_loss` makes the model gather them as usual
-whenever it computes no loss (inference, ``generate``).
+transformers' loss for anything else. :func:`gather_logits_unless_training` makes the model gather them as
+usual except in a training-mode forward with a loss (so inference, ``generate`` and evaluation see whole
+logits).
 """
 
 from __future__ import annotations
@@ -55,15 +56,18 @@ def causal_lm_loss(
     return losses.sum() / num_items_in_batch
 
 
-def gather_logits_without_loss(model: nn.Module) -> None:
+def gather_logits_unless_training(model: nn.Module) -> None:
     """Have ``model``'s outputs carry whole logits (a plain tensor, as without the vocabulary-parallel loss)
-    whenever no loss was computed; with a loss, the logits stay split (``.full_tensor()`` gathers them)."""
-    model.register_forward_hook(_gather_unless_loss)
+    except in a training-mode forward that computed a loss: there the logits stay split (``.full_tensor()``
+    gathers them). Inference, ``generate`` and evaluation with labels (HF Trainer's ``prediction_step``, which
+    hands the logits to ``compute_metrics``) get whole logits."""
+    model.register_forward_hook(_gather_unless_training)
 
 
-def _gather_unless_loss(module: nn.Module, args: tuple, output):
+def _gather_unless_training(module: nn.Module, args: tuple, output):
     logits = getattr(output, "logits", None)
-    if getattr(output, "loss", None) is None and _vocab_sharded(logits):
+    training_loss = module.training and getattr(output, "loss", None) is not None
+    if not training_loss and _vocab_sharded(logits):
         output.logits = logits.full_tensor()
     return output
 

@@ -17,7 +17,7 @@ from . import plans
 from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
 from .loading import load_checkpoint
-from .loss import causal_lm_loss, gather_logits_without_loss
+from .loss import causal_lm_loss, gather_logits_unless_training
 
 
 def from_pretrained(
@@ -51,9 +51,9 @@ def from_pretrained(
     the latter too. ``tp_plan`` entries set to ``ExpertParallel`` select EP with the plan form.
 
     ``loss_parallel``: the training loss from logits split over the vocabulary (:mod:`hf_moe_tp.loss`), never
-    gathered. When the model computes a loss (``labels`` given), the outputs' ``logits`` are then a DTensor
-    split over the vocabulary (``.full_tensor()`` for the whole); without one (inference, ``generate``) they
-    are gathered as usual.
+    gathered. In a training-mode forward with ``labels`` the outputs' ``logits`` are then a DTensor split over
+    the vocabulary (``.full_tensor()`` for the whole); otherwise (inference, ``generate``, evaluation with
+    labels) they are gathered as usual.
 
     Failures never leave a rank waiting: whatever fails on any rank (a bad file, a read error on one rank, a
     mesh that leaves this rank out), every rank raises :class:`LoadError` naming each failed rank's error.
@@ -75,7 +75,7 @@ def from_pretrained(
         model.hf_moe_tp_plan = plan
         if loss_parallel:
             model.loss_function = causal_lm_loss
-            gather_logits_without_loss(model)
+            gather_logits_unless_training(model)
         model.hf_moe_tp_load = load_checkpoint(model, path, threads=threads, record_reads=record_reads)
         if (path / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(path)

@@ -74,10 +74,15 @@ def _model_step(path: str):
     ref.eval()
     with torch.no_grad():
         after, ref_after = model(ids).logits, ref(ids).logits  # no loss: gathered, a plain tensor
+        evaluated = model(ids, labels=ids)  # evaluation with labels (HF Trainer): whole logits, the same loss
+        ref_evaluated = ref(ids, labels=ids)
     tokens = model.generate(ids[:1], max_new_tokens=8, do_sample=False)
     ref_tokens = ref.generate(ids[:1], max_new_tokens=8, do_sample=False)
     return {
         "plain_without_loss": not isinstance(after, DTensor),
+        "plain_in_eval": not isinstance(evaluated.logits, DTensor),
+        "eval_diff": max((evaluated.logits - ref_evaluated.logits).abs().max().item(),
+                         abs(evaluated.loss.item() - ref_evaluated.loss.item())),
         "tokens_equal": torch.equal(tokens, ref_tokens),
         "sharded": isinstance(logits, DTensor) and logits.placements == (Shard(2),),
         "local_vocab": local_vocab,
@@ -89,13 +94,14 @@ def _model_step(path: str):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_from_pretrained_loss_parallel(ranks, tmp_path, world):
-    """With labels the logits stay split over the vocabulary (a quarter or half per rank); loss, logits and
-    logits after one SGD step match transformers within 2e-5. Without labels the logits are gathered (a plain
-    tensor) and greedy generation gives transformers' tokens."""
+    """Training with labels: the logits stay split over the vocabulary (a quarter or half per rank); loss,
+    logits and logits after one SGD step match transformers within 2e-5. Without labels, and in eval mode with
+    labels, the logits are gathered (a plain tensor), and greedy generation gives transformers' tokens."""
     path = save_family("mixtral", tmp_path)
     for r in ranks(world).run(_model_step, str(path)):
         assert r["sharded"] and r["local_vocab"] * world == 128, r
         assert r["plain_without_loss"] and r["tokens_equal"], r
+        assert r["plain_in_eval"] and r["eval_diff"] <= 2e-5, r
         assert r["loss"] <= 2e-5 and r["logits"] <= 2e-5 and r["after_step"] <= 2e-5, r
 
 
@@ -120,6 +126,7 @@ def _ep_tp_loss(path: str):
     ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
     ep = model.hf_moe_tp_ep_mesh["ep"].get_local_rank()
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(10 + ep))
+    model.train()
     out = model(ids, labels=ids)
     out.loss.backward()
     return isinstance(out.logits, DTensor), abs(out.loss.item() - ref(ids, labels=ids).loss.item())
