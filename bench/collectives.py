@@ -82,6 +82,19 @@ def count_bytes():
             setattr(module, name, original)
 
 
+def rotated_medians(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each callable in ``fns``, run in rotation (one of each per round) for one warm-up round
+    and then ``repeats`` timed rounds, so drift in the machine's speed hits them alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(repeats + 1):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if i:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def median_time(fn, repeats: int) -> float:
     fn()
     times = []

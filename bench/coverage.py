@@ -369,9 +369,10 @@ def run_ours(path: str, kind: str, full: bool = True, loss_parallel: bool = Fals
         diff = (_full(_output(model, ids, kind)) - ref_out).abs().max().item()
     out = {"diff": diff, "sharded": sharded, "grouped": len(experts), "adapter": adapter_for(model).name}
     if loss_parallel:
-        out["split_loss"] = any(getattr(style, "use_local_output", True) is False
-                                for style in model.hf_moe_tp_plan.values()
-                                if type(style).__name__ == "ColwiseParallel")
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        out["split_loss"] = any(isinstance(style, ColwiseParallel) and not style.use_local_output
+                                for style in model.hf_moe_tp_plan.values())
     if not full:
         return out
     if kind == "causal_lm":

@@ -4,8 +4,9 @@ inference forward and a training step, fp32 and bf16, tokens per second, and col
     python bench/forward.py [--batch 4] [--seq 512] [--repeats 5] [--tp 2] [--layer-only]
 
 A third row, ``hf_moe_tp loss_parallel``, is the training step with ``from_pretrained(loss_parallel=True)``:
-the loss from logits split over the vocabulary, never gathered (its inference column is left out: its logits
-stay split, so it is not the same output). Its collectives are counted on a training-mode forward with labels.
+the loss from logits split over the vocabulary, never gathered (its inference column is left out: without a
+loss it gathers the logits and runs hf_moe_tp's forward). Its collectives are counted on a training-mode
+forward with labels.
 
 All variants load the same files (bench/load.py makes them) into the same ranks and are timed in rotation;
 each figure is the median of ``--repeats`` runs after one warm-up round; collectives are counted on one
@@ -19,13 +20,11 @@ needs on this rank's shards (raw grouped matmuls and one all-reduce), interleave
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
 from allocator import pin_malloc
-from collectives import count_bytes
+from collectives import count_bytes, rotated_medians
 
 from hf_moe_tp.launch import run_on_ranks
 
@@ -50,38 +49,38 @@ def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int) -
     }
     ids = torch.randint(0, 32000, (batch, seq), generator=torch.Generator().manual_seed(0))
     tokens = batch * seq
-    results = {}
+    collectives = {}
     for name, model in models.items():
         model.train("loss_parallel" in name)  # the split loss is the training-mode forward with labels
         with torch.no_grad(), count_bytes() as (counts, _):
             model(ids, labels=ids) if "loss_parallel" in name else model(ids)
-        results[name] = {"collectives": dict(counts), "infer": [], "train": []}
+        collectives[name] = dict(counts)
 
     def infer(model) -> None:
         with torch.no_grad():
             model(ids)
 
-    def step(model, opt) -> None:
-        opt.zero_grad()
-        model(ids, labels=ids).loss.backward()
-        opt.step()
+    def training_step(model):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-6)
 
-    for kind in ("infer", "train"):
-        opts = {}
-        for name, model in models.items():
-            model.train(kind == "train")
-            opts[name] = torch.optim.SGD(model.parameters(), lr=1e-6)
-        for i in range(repeats + 1):  # the first round warms up
-            for name, model in models.items():
-                if kind == "infer" and "loss_parallel" in name:
-                    continue  # its logits stay split: not the same output
-                start = time.perf_counter()
-                infer(model) if kind == "infer" else step(model, opts[name])
-                if i:
-                    results[name][kind].append(time.perf_counter() - start)
-    return {name: {"infer_tok_s": tokens / statistics.median(r["infer"]) if r["infer"] else float("nan"),
-                   "train_tok_s": tokens / statistics.median(r["train"]), "collectives": r["collectives"]}
-            for name, r in results.items()}
+        def step() -> None:
+            opt.zero_grad()
+            model(ids, labels=ids).loss.backward()
+            opt.step()
+
+        return step
+
+    for model in models.values():
+        model.eval()
+    # the loss_parallel variant's inference is left out: without a loss it is hf_moe_tp's forward
+    infer_s = rotated_medians({name: (lambda m=model: infer(m)) for name, model in models.items()
+                               if "loss_parallel" not in name}, repeats)
+    for model in models.values():
+        model.train()
+    train_s = rotated_medians({name: training_step(model) for name, model in models.items()}, repeats)
+    return {name: {"infer_tok_s": tokens / infer_s[name] if name in infer_s else float("nan"),
+                   "train_tok_s": tokens / train_s[name], "collectives": collectives[name]}
+            for name in models}
 
 
 def layer_rank(path: str, dtype_name: str, tokens: int, repeats: int) -> dict:
@@ -117,13 +116,8 @@ def layer_rank(path: str, dtype_name: str, tokens: int, repeats: int) -> dict:
 
     with torch.no_grad():
         same = (raw() - experts(x, index, weights)).abs().max().item()
-        times = {"raw": [], "hf_moe_tp": []}
-        for _ in range(repeats + 1):  # interleaved; the first round warms up
-            for name, fn in (("raw", raw), ("hf_moe_tp", lambda: experts(x, index, weights))):
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t[1:]) for name, t in times.items()} | {"max_diff": same}
+        times = rotated_medians({"raw": raw, "hf_moe_tp": lambda: experts(x, index, weights)}, repeats)
+    return times | {"max_diff": same}
 
 
 def main() -> None:

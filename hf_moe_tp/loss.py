@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 
 def causal_lm_loss(
@@ -36,8 +37,6 @@ def causal_lm_loss(
     1-D mesh: the mean (or, with ``num_items_in_batch``, the sum divided by it) of the next-token
     cross-entropy, the same number on every rank. Other logits go to transformers' own loss."""
     if not _vocab_sharded(logits):
-        from transformers.loss.loss_utils import ForCausalLMLoss
-
         return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                                ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
     if shift_labels is None:  # tokens < n predict n, as transformers shifts
@@ -95,14 +94,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         exp = (logits - row_max.unsqueeze(-1)).exp_()
         local_target = targets - start
-        mine = (local_target >= 0) & (local_target < logits.shape[-1]) & (targets != ignore_index)
+        valid = targets != ignore_index
+        mine = (local_target >= 0) & (local_target < logits.shape[-1]) & valid
         rows = torch.arange(logits.shape[0], device=logits.device)
         column = local_target.clamp(0, logits.shape[-1] - 1)
         sums = torch.stack([exp.sum(dim=-1), torch.where(mine, logits[rows, column], 0.0)])
         dist.all_reduce(sums, group=group)  # sum of exponentials, and the target's logit from its owner
-        losses = sums[0].log() + row_max - sums[1]
-        valid = targets != ignore_index
-        losses = torch.where(valid, losses, 0.0)
+        losses = torch.where(valid, sums[0].log() + row_max - sums[1], 0.0)
         exp.div_(sums[0].unsqueeze(-1))  # this slice of the softmax, kept for the backward
         ctx.save_for_backward(exp, column, mine, valid)
         return losses

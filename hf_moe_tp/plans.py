@@ -102,10 +102,8 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, 
                 rname = f"{parent}.{router}" if parent else router
                 if rname in modules and rname not in plan:
                     plan[rname] = NoParallel()
-    if loss_parallel:
-        head = _output_embedding_name(model)
-        if isinstance(plan.get(head), ColwiseParallel):
-            plan[head] = ColwiseParallel(use_local_output=False)  # logits stay Shard(-1): never gathered
+    if loss_parallel and isinstance(plan.get(head), ColwiseParallel):
+        plan[head] = ColwiseParallel(use_local_output=False)  # logits stay Shard(-1): never gathered
     return plan
 
 
