@@ -138,10 +138,8 @@ def meta_model(config: PretrainedConfig, model_class: type | None = None, dtype:
         model = cls.from_config(config, **kwargs) if hasattr(cls, "from_config") else cls._from_config(config, **kwargs)
     model.tie_weights()  # transformers ties after loading; the plan needs the ties now
     adapter_for(model).swap_experts(model)
-    for module in model.modules():
-        layout = getattr(module, "checkpoint_layout", None)
-        if isinstance(module, GroupedExperts) and layout is not None and not layout.transposed:
-            module.store_column_major()  # the checkpoint's (out, in) orientation: loading copies, never transposes
+    # Experts stay row-major (contiguous): FSDP2 shards only contiguous parameters, and the grouped-matmul
+    # kernel runs either layout at one speed. Loading transposes per-expert (out, in) tensors in RAM.
     return model
 
 

@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 
 from . import plans
 from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
+from .fsdp import shard_data_parallel
 from .loading import load_checkpoint
 from .loss import causal_lm_loss, gather_logits_unless_training
+from .meshes import init_process_group, resolve_layout, resolve_mesh, resolve_meshes
+
+__all__ = ["LoadError", "agree", "from_pretrained", "init_process_group", "resolve_mesh", "resolve_meshes"]
 
 
 def from_pretrained(
@@ -31,6 +35,10 @@ def from_pretrained(
     threads: int | None = None,
     record_reads: bool = False,
     loss_parallel: bool = False,
+    fsdp_size: int | None = None,
+    dp_replicate_size: int | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
 ) -> PreTrainedModel:
     """Load a Hugging Face MoE model tensor-parallel over ``device_mesh`` (or all ranks).
 
@@ -55,6 +63,14 @@ def from_pretrained(
     the vocabulary (``.full_tensor()`` for the whole); otherwise (inference, ``generate``, evaluation with
     labels) they are gathered as usual.
 
+    Data parallelism with FSDP2 (:mod:`hf_moe_tp.fsdp`, each decoder layer and the root ``fully_shard``-ed):
+    a ``device_mesh`` with a ``"dp_shard"`` (or ``"dp"``, ``"fsdp"``) dimension beside ``"tp"``, and for HSDP a
+    ``"dp_replicate"`` one in front; or ``fsdp_size`` / ``dp_replicate_size`` (the rest of the world is TP).
+    ``mp_policy`` and ``offload_policy`` go to ``fully_shard``. Every parameter then lives on the one parent
+    mesh, so ``clip_grad_norm_`` and fused optimizers take them all in one call. With an ``(ep, tp)`` mesh,
+    ``fsdp_size`` equal to its ep size shards the dense layers over the ep ranks (which hold different batches).
+    Layouts (:mod:`hf_moe_tp.meshes`) other than these are refused by name.
+
     Failures never leave a rank waiting: whatever fails on any rank (a bad file, a read error on one rank, a
     mesh that leaves this rank out), every rank raises :class:`LoadError` naming each failed rank's error.
     """
@@ -64,7 +80,8 @@ def from_pretrained(
     model = None
     try:
         path = _local_dir(path)
-        mesh, ep_mesh = resolve_meshes(device_mesh, ep_size)
+        layout = resolve_layout(device_mesh, ep_size, fsdp_size, dp_replicate_size)
+        mesh, ep_mesh = layout.tp, layout.ep
         config = AutoConfig.from_pretrained(path)
         model = plans.meta_model(config, model_class, dtype)
         _buffers_to(model, _mesh_device(mesh))  # the loader allocates parameters where the buffers are
@@ -79,6 +96,11 @@ def from_pretrained(
         model.hf_moe_tp_load = load_checkpoint(model, path, threads=threads, record_reads=record_reads)
         if (path / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(path)
+        if layout.dp is not None:
+            shard_data_parallel(model, layout.dp, mp_policy=mp_policy, offload_policy=offload_policy)
+        elif mp_policy is not None or offload_policy is not None:
+            raise ValueError("mp_policy and offload_policy are FSDP2's: they need fsdp_size, dp_replicate_size or "
+                             "a device_mesh with a data-parallel dimension")
     except Exception as e:  # noqa: BLE001 - every error is reported on every rank below
         error = e
     agree(error)
@@ -119,68 +141,6 @@ def _plan(model: nn.Module, plan, mesh: DeviceMesh, ep_size: int | None = None, 
     if isinstance(plan, dict):
         return plans.resolve_plan(plan)
     raise ValueError(f"tp_plan must be 'auto', None or a dict of module names to styles, got {plan!r}")
-
-
-def resolve_meshes(device_mesh: DeviceMesh | None = None, ep_size: int | None = None
-                   ) -> tuple[DeviceMesh, DeviceMesh | None]:
-    """The 1-D tensor-parallel mesh and, for expert parallelism on an ``(ep, tp)`` mesh, that 2-D mesh.
-
-    ``ep_size`` equal to the TP size (or None) needs no mesh of its own: experts go on the TP mesh.
-    """
-    if device_mesh is None and ep_size not in (None, 1):
-        init_process_group()
-        world = dist.get_world_size()
-        if world % ep_size:
-            raise ValueError(f"ep_size={ep_size} must divide the world size {world}")
-        if ep_size != world:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            device_mesh = init_device_mesh(device, (ep_size, world // ep_size), mesh_dim_names=("ep", "tp"))
-    tp = resolve_mesh(device_mesh)
-    names = (device_mesh.mesh_dim_names or ()) if device_mesh is not None else ()
-    if "ep" in names:
-        if device_mesh.ndim != 2:
-            raise ValueError(f"a device_mesh with an 'ep' dimension must be 2-D ('ep', 'tp'), got names {names}")
-        if ep_size not in (None, device_mesh["ep"].size()):
-            raise ValueError(f"ep_size={ep_size} differs from the device_mesh's 'ep' size {device_mesh['ep'].size()}")
-        return tp, device_mesh
-    if ep_size not in (None, 1, tp.size()):
-        raise ValueError(f"ep_size={ep_size} must equal the TP size {tp.size()} (experts on the same ranks), or the "
-                         f"device_mesh needs an 'ep' dimension of that size")
-    return tp, None
-
-
-def resolve_mesh(device_mesh: DeviceMesh | None = None) -> DeviceMesh:
-    """The 1-D tensor-parallel mesh: ``device_mesh`` itself, its ``"tp"`` dimension, or the whole world."""
-    if device_mesh is not None:
-        ranks = device_mesh.mesh.flatten().tolist()
-        world = dist.get_world_size()
-        if device_mesh.get_coordinate() is None or sorted(ranks) != list(range(world)):
-            raise ValueError(f"device_mesh {tuple(device_mesh.shape)} over ranks {ranks} must cover the world of "
-                             f"{world} ranks exactly (rank {dist.get_rank()} is "
-                             f"{'in' if device_mesh.get_coordinate() is not None else 'not in'} it)")
-        if device_mesh.ndim == 1:
-            return device_mesh
-        names = device_mesh.mesh_dim_names or ()
-        if "tp" not in names:
-            raise ValueError(f"a {device_mesh.ndim}-D device_mesh needs a 'tp' dimension, got names {names}")
-        return device_mesh["tp"]
-    init_process_group()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(device, (dist.get_world_size(),), mesh_dim_names=("tp",))
-
-
-def init_process_group(timeout_s: float = 600.0) -> None:
-    """Join the torchrun job described by the environment, or start a world of one; no-op if already joined."""
-    if dist.is_initialized():
-        return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-        return
-    store = dist.HashStore()
-    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:

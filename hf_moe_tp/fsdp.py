@@ -1,0 +1,75 @@
+"""FSDP2 over the data-parallel dimensions of a tensor-parallel model: torchtitan's recipe on our layouts.
+
+``fully_shard`` goes on every decoder layer, then on the root (embeddings, final norm, ``lm_head``), over the
+data-parallel mesh: one dimension (FSDP) or two (``dp_replicate``, ``dp_shard``: HSDP). The parameters are
+already DTensors on the tensor-parallel mesh, so FSDP2 makes them DTensors on the parent mesh (data-parallel
+dims first, then ``tp``): every parameter lives on that one mesh, and one ``clip_grad_norm_`` call covers all.
+
+Experts split over an ``"ep"`` dimension that also carries the data-parallel batches (the ``(ep, tp)`` layout
+of :func:`hf_moe_tp.from_pretrained`) are whole per rank already: FSDP leaves them (``ignored_params``), and
+their gradients, which sum every ep rank's tokens, are divided by the ep size as FSDP divides the rest.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP2 wraps one by one: modules of the classes transformers keeps whole
+    (``_no_split_modules``), outermost only."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside or module is model:
+            continue
+        if type(module).__name__ in names:
+            found.append(module)
+            inside.update(id(m) for m in module.modules())
+    return found
+
+
+def shard_data_parallel(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Apply FSDP2 to ``model`` (a model from :func:`hf_moe_tp.from_pretrained`) over ``dp_mesh``: each decoder
+    layer, then the root. ``mp_policy`` and ``offload_policy`` go to every ``fully_shard`` call.
+
+    Parameters on a mesh that already includes a data-parallel dimension (experts over an ``"ep"`` dimension
+    holding different batches) are left to themselves and their gradients divided by that dimension's size.
+    """
+    kwargs = {"mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload_policy or OffloadPolicy()}
+    ignored = _expert_params_over_batches(model, dp_mesh)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                    ignored_params=ignored or None, **kwargs)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None,
+                **kwargs)
+    model._is_fsdp_managed_module = True  # transformers' generate then keeps the data-parallel ranks in step
+    model.hf_moe_tp_dp_mesh = dp_mesh
+    return model
+
+
+def _expert_params_over_batches(model: nn.Module, dp_mesh: DeviceMesh) -> set[nn.Parameter]:
+    """Parameters on a 2-D mesh with an ``"ep"`` dimension (the ``(ep, tp)`` layout): whole experts per rank,
+    fed every ep rank's tokens. Their gradients get FSDP's averaging over the batches by a hook."""
+    out = set()
+    for p in model.parameters():
+        if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ()) and p.device_mesh.ndim > 1:
+            out.add(p)
+            if p.requires_grad:
+                size = p.device_mesh["ep"].size()
+                p.register_hook(lambda g, size=size: g / size)
+    if out and dp_mesh.size() != next(iter(out)).device_mesh["ep"].size():
+        raise ValueError(f"FSDP over {dp_mesh.size()} ranks with experts over an 'ep' dimension of "
+                         f"{next(iter(out)).device_mesh['ep'].size()}: the data-parallel ranks must be the ep ranks")
+    return out
