@@ -20,6 +20,7 @@ from .fsdp import shard_data_parallel
 from .loading import load_checkpoint
 from .loss import causal_lm_loss, gather_logits_unless_training
 from .meshes import init_process_group, resolve_layout, resolve_mesh, resolve_meshes
+from .randomness import same_draws_in_training, with_leader_state
 
 __all__ = ["LoadError", "agree", "from_pretrained", "init_process_group", "resolve_mesh", "resolve_meshes"]
 
@@ -39,6 +40,7 @@ def from_pretrained(
     dp_replicate_size: int | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
+    ep_dispatch: str | None = None,
 ) -> PreTrainedModel:
     """Load a Hugging Face MoE model tensor-parallel over ``device_mesh`` (or all ranks).
 
@@ -56,7 +58,8 @@ def from_pretrained(
     the world becomes an ``(ep, tp)`` mesh (``ep_size`` x world / ``ep_size``): attention split over ``tp``,
     experts over ``ep``, each ``ep`` coordinate running its own batch (data parallel for the dense layers,
     whose gradients the caller averages over ``ep``). A 2-D ``device_mesh`` with an ``"ep"`` dimension selects
-    the latter too. ``tp_plan`` entries set to ``ExpertParallel`` select EP with the plan form.
+    the latter too. ``tp_plan`` entries set to ``ExpertParallel`` select EP with the plan form. ``ep_dispatch``
+    (``"auto"``, ``"all_to_all"``, ``"all_reduce"``) sets :class:`ExpertParallel`'s ``dispatch`` for them all.
 
     ``loss_parallel``: the training loss from logits split over the vocabulary (:mod:`hf_moe_tp.loss`), never
     gathered. In a training-mode forward with ``labels`` the outputs' ``logits`` are then a DTensor split over
@@ -82,13 +85,21 @@ def from_pretrained(
         path = _local_dir(path)
         layout = resolve_layout(device_mesh, ep_size, fsdp_size, dp_replicate_size)
         mesh, ep_mesh = layout.tp, layout.ep
+        if layout.dp is None and (mp_policy is not None or offload_policy is not None):
+            raise ValueError("mp_policy and offload_policy are FSDP2's: they need fsdp_size, dp_replicate_size or "
+                             "a device_mesh with a data-parallel dimension")
         config = AutoConfig.from_pretrained(path)
         model = plans.meta_model(config, model_class, dtype)
         _buffers_to(model, _mesh_device(mesh))  # the loader allocates parameters where the buffers are
         plan = _plan(model, tp_plan, mesh, ep_size=ep_size or (ep_mesh["ep"].size() if ep_mesh else None),
                      loss_parallel=loss_parallel)
+        if ep_dispatch is not None:
+            plan = {n: ExpertParallel(input_layout=s.input_layout, dispatch=ep_dispatch)
+                    if isinstance(s, ExpertParallel) else s for n, s in plan.items()}
         plans.apply_plan(model, mesh, plan, ep_mesh=ep_mesh)
         model.hf_moe_tp_mesh, model.hf_moe_tp_ep_mesh = mesh, ep_mesh
+        same_draws_in_training(model, mesh)  # replicated random ops (router jitter, dropout) agree across TP
+        model.generate = with_leader_state(model.generate, mesh)  # so do sampled tokens
         model.hf_moe_tp_plan = plan
         if loss_parallel:
             model.loss_function = causal_lm_loss
@@ -98,9 +109,6 @@ def from_pretrained(
             model.generation_config = GenerationConfig.from_pretrained(path)
         if layout.dp is not None:
             shard_data_parallel(model, layout.dp, mp_policy=mp_policy, offload_policy=offload_policy)
-        elif mp_policy is not None or offload_policy is not None:
-            raise ValueError("mp_policy and offload_policy are FSDP2's: they need fsdp_size, dp_replicate_size or "
-                             "a device_mesh with a data-parallel dimension")
     except Exception as e:  # noqa: BLE001 - every error is reported on every rank below
         error = e
     agree(error)

@@ -109,3 +109,44 @@ def test_fsdp_layouts_match_one_process(ranks, checkpoints, family, layout):
 def test_fused_adamw(ranks, checkpoints):
     """Fused AdamW steps over the FSDP2 x TP parameters in one call, as foreach does."""
     check(ranks(4).run(train_steps, checkpoints("mixtral"), LAYOUTS["dp2_tp2"], fused=True))
+
+
+def _jittered_routing(path: str, world_seed: int):
+    """PhiMoE in training mode (sampled routing with router jitter, input jitter) with each rank seeded
+    differently: the routing each TP rank computes, and the loss against one process seeded as rank 0."""
+    from hf_moe_tp.experts import GroupedExperts
+
+    model = hf_moe_tp.from_pretrained(path).train()
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train()
+    routes: list[torch.Tensor] = []
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m.register_forward_pre_hook(lambda mod, args: routes.append(args[1].clone()))
+    ids = batches(model.config.vocab_size, 1)[0]
+    torch.manual_seed(world_seed + dist.get_rank())  # as data-parallel scripts seed: differently per rank
+    loss = model(ids, labels=ids).loss
+    after_own = torch.rand(1).item()  # each rank's own stream resumes after the forward
+    torch.manual_seed(world_seed)
+    ref_loss = ref(ids, labels=ids).loss
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [r.tolist() for r in routes])
+    return {"same_routing": all(g == gathered[0] for g in gathered), "loss": loss.item(), "ref": ref_loss.item(),
+            "after_own": after_own}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicated_randomness_agrees(ranks, tmp_path, world):
+    """Router jitter and sampled routing draw the same numbers on every TP rank whatever each rank's seed:
+    identical routing on all ranks, and the loss of one process seeded as rank 0 (within 1e-5). Without
+    this the ranks route differently and the all-reduced expert output mixes the routings."""
+    from families import COMMON, save_model
+    from transformers import PhimoeConfig
+
+    config = PhimoeConfig(hidden_size=32, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                          router_jitter_noise=0.1, input_jitter_noise=0.1, **COMMON)
+    path = save_model(config, tmp_path / "phimoe")
+    results = ranks(world).run(_jittered_routing, str(path), 100)
+    for r in results:
+        assert r["same_routing"], r
+        assert abs(r["loss"] - r["ref"]) <= TOL, r
+    assert len({r["after_own"] for r in results}) == world  # the ranks' own streams are left their own

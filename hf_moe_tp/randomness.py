@@ -1,0 +1,101 @@
+"""The same random numbers on every rank of a tensor-parallel group, where the computation is replicated.
+
+TP ranks compute routers, norms and residual streams whole, each on its own copy; a random op there (PhiMoE's
+router jitter and sampled routing, dropout on the residual stream) must draw the same numbers on every rank,
+or the ranks route, drop and later all-reduce different things, silently. Data-parallel scripts seed each
+rank differently (``seed + rank``), so the draws cannot rely on equal seeds.
+
+So a training-mode forward runs on the group leader's (TP rank 0's) generator state: one broadcast of the
+state (5 KB for CPU's Mersenne Twister, 16 bytes per CUDA device) before the forward, and afterwards the other
+ranks get their own state back. The leader's stream advances as one process's would, so a run seeded like one
+process draws what that process draws. Inference forwards draw nothing and pay nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def _states(device: torch.device) -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def _set_states(states: list[torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
+
+
+def share_leader_state(mesh: DeviceMesh) -> list[torch.Tensor] | None:
+    """Give every rank of ``mesh`` (1-D) the generator states of its first rank; return this rank's own states
+    (None on the leader, whose states are the shared ones) for :func:`restore_state`."""
+    if mesh.size() == 1:
+        return None
+    device = _device(mesh)
+    own = _states(device)
+    sizes = [s.numel() for s in own]
+    flat = torch.cat(own).to(_comm_device(mesh, device))
+    dist.broadcast(flat, group=mesh.get_group(), group_src=0)
+    if mesh.get_local_rank() == 0:
+        return None
+    _set_states([s.cpu() for s in flat.split(sizes)], device)
+    return own
+
+
+def restore_state(mesh: DeviceMesh, own: list[torch.Tensor] | None) -> None:
+    """Put back a rank's own generator states taken by :func:`share_leader_state`."""
+    if own is not None:
+        _set_states(own, _device(mesh))
+
+
+def same_draws_in_training(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Make every training-mode forward of ``model`` draw from the leader's generators on all ranks of
+    ``mesh`` (the tensor-parallel mesh), each rank's own generators resumed afterwards."""
+    if mesh.size() == 1:
+        return
+    saved: list[list[torch.Tensor] | None] = []
+
+    def before(module: nn.Module, args: tuple) -> None:
+        saved.append(share_leader_state(mesh) if module.training else None)
+
+    def after(module: nn.Module, args: tuple, out: Any) -> None:
+        restore_state(mesh, saved.pop())
+
+    model.register_forward_pre_hook(before)
+    model.register_forward_hook(after, always_call=True)
+
+
+def with_leader_state(fn: Callable[..., Any], mesh: DeviceMesh) -> Callable[..., Any]:
+    """``fn`` (such as a model's ``generate``) run on the leader's generator states on every rank of ``mesh``:
+    one broadcast per call, so sampled tokens agree across the ranks and equal one process's after the same
+    seed."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        own = share_leader_state(mesh)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            restore_state(mesh, own)
+
+    return wrapped
+
+
+def _device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _comm_device(mesh: DeviceMesh, device: torch.device) -> torch.device:
+    return device if mesh.device_type == "cuda" else torch.device("cpu")
