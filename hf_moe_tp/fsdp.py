@@ -12,10 +12,14 @@ their gradients, which sum every ep rank's tokens, are divided by the ep size as
 
 from __future__ import annotations
 
+import logging
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+
+logger = logging.getLogger(__name__)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -47,6 +51,10 @@ def shard_data_parallel(
     Parameters on a mesh that already includes a data-parallel dimension (experts over an ``"ep"`` dimension
     holding different batches) are left to themselves and their gradients divided by that dimension's size.
     """
+    if isinstance(offload_policy, CPUOffloadPolicy) and dp_mesh.device_type == "cpu":
+        # fully_shard's CPU offload moves accelerator parameters to host memory; on a CPU mesh they are there
+        logger.warning("CPU offload on a CPU mesh: the parameters already live in CPU memory; nothing to offload")
+        offload_policy = None
     kwargs = {"mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload_policy or OffloadPolicy()}
     ignored = _expert_params_over_batches(model, dp_mesh)
     for layer in decoder_layers(model):

@@ -99,7 +99,8 @@ def from_pretrained(
         plans.apply_plan(model, mesh, plan, ep_mesh=ep_mesh)
         model.hf_moe_tp_mesh, model.hf_moe_tp_ep_mesh = mesh, ep_mesh
         same_draws_in_training(model, mesh)  # replicated random ops (router jitter, dropout) agree across TP
-        model.generate = with_leader_state(model.generate, mesh)  # so do sampled tokens
+        if hasattr(model, "generate"):  # so do sampled tokens
+            model.generate = with_leader_state(model.generate, mesh)
         model.hf_moe_tp_plan = plan
         if loss_parallel:
             model.loss_function = causal_lm_loss

@@ -45,24 +45,23 @@ def data_parallel_rank(model) -> tuple[int, int]:
     return index, dp.size()
 
 
-def train_steps(path: str, kwargs: dict, steps: int = STEPS, fused: bool = False) -> dict:
-    """``steps`` AdamW steps with clip_grad_norm_ at the layout ``kwargs`` give, each data-parallel rank on its
-    rows of the batch, and the same in one process on the whole batch; per-step global loss and total norm."""
+def layout_model(path: str, kwargs: dict):
+    """``from_pretrained`` at the layout ``kwargs`` give; ``mesh=((name, size), ...)`` is built here, on the
+    ranks (a DeviceMesh does not travel to them)."""
     kwargs = dict(kwargs)
-    if "mesh" in kwargs:  # ((name, size), ...): built here, on the ranks
+    if "mesh" in kwargs:
         from torch.distributed.device_mesh import init_device_mesh
 
         names, sizes = zip(*kwargs.pop("mesh"), strict=True)
         kwargs["device_mesh"] = init_device_mesh("cpu", sizes, mesh_dim_names=names)
-    model = hf_moe_tp.from_pretrained(path, **kwargs).train()
-    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train()
+    return hf_moe_tp.from_pretrained(path, **kwargs).train()
+
+
+def run_steps(model, opt, steps: list[torch.Tensor]) -> tuple[list[float], list[float]]:
+    """AdamW steps with clip_grad_norm_, each data-parallel rank on its rows: per-step global loss, total norm."""
     index, count = data_parallel_rank(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused or None)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
-    out = {"loss": [], "ref_loss": [], "norm": [], "ref_norm": [], "meshes": len(meshes),
-           "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters())}
-    for ids in batches(model.config.vocab_size, steps, rows=2 * count):
+    losses, norms = [], []
+    for ids in steps:
         mine = ids.chunk(count)[index]
         loss = model(mine, labels=mine).loss
         loss.backward()
@@ -71,15 +70,36 @@ def train_steps(path: str, kwargs: dict, steps: int = STEPS, fused: bool = False
         opt.zero_grad()
         whole = loss.detach().clone()
         dist.all_reduce(whole)
-        out["loss"].append(whole.item() / dist.get_world_size())  # equal-sized batches: the mean of the means
-        out["norm"].append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
-        ref_loss = ref(ids, labels=ids).loss
-        ref_loss.backward()
-        out["ref_norm"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
-        ref_opt.step()
-        ref_opt.zero_grad()
-        out["ref_loss"].append(ref_loss.item())
-    return out
+        losses.append(whole.item() / dist.get_world_size())  # equal-sized batches: the mean of the means
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
+    return losses, norms
+
+
+def reference_steps(path: str, steps: list[torch.Tensor]) -> tuple[list[float], list[float]]:
+    """The same steps in one process on the whole batch, transformers' eager experts."""
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    losses, norms = [], []
+    for ids in steps:
+        loss = ref(ids, labels=ids).loss
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms
+
+
+def train_steps(path: str, kwargs: dict, steps: int = STEPS, fused: bool = False) -> dict:
+    """``steps`` steps at the layout ``kwargs`` give and in one process; per-step loss and total norm."""
+    model = layout_model(path, kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused or None)
+    meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
+    data = batches(model.config.vocab_size, steps)
+    loss, norm = run_steps(model, opt, data)
+    ref_loss, ref_norm = reference_steps(path, data)
+    return {"loss": loss, "ref_loss": ref_loss, "norm": norm, "ref_norm": ref_norm, "meshes": len(meshes),
+            "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters())}
 
 
 def check(results: list[dict]) -> None:
@@ -150,3 +170,139 @@ def test_replicated_randomness_agrees(ranks, tmp_path, world):
         assert r["same_routing"], r
         assert abs(r["loss"] - r["ref"]) <= TOL, r
     assert len({r["after_own"] for r in results}) == world  # the ranks' own streams are left their own
+
+
+def _save_after_steps(path: str, kwargs: dict, checkpoint: str, steps: int) -> None:
+    """Train ``steps`` steps at one layout, then save model and optimizer state with torch DCP."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = layout_model(path, kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run_steps(model, opt, batches(model.config.vocab_size, steps))
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=checkpoint)
+
+
+def _resume(path: str, kwargs: dict, checkpoint: str, done: int, more: int) -> dict:
+    """Resume at another layout from the DCP checkpoint and train ``more`` steps; the losses of an
+    uninterrupted one-process run over all steps for comparison."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = layout_model(path, kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=checkpoint)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    data = batches(model.config.vocab_size, done + more)
+    loss, norm = run_steps(model, opt, data[done:])
+    ref_loss, ref_norm = reference_steps(path, data)
+    return {"loss": loss, "ref_loss": ref_loss[done:], "norm": norm, "ref_norm": ref_norm[done:], "meshes": 1,
+            "all_dtensor": True}
+
+
+RESHARDS = {  # (world, layout saved, layout resumed)
+    "dp2_tp2->tp4": (4, dict(fsdp_size=2), dict()),
+    "tp2->ep2": (2, dict(), dict(ep_size=2)),
+    "ep2->tp2_dp2": (4, dict(mesh=(("ep", 2), ("tp", 2)), fsdp_size=2), dict(fsdp_size=2)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESHARDS))
+def test_dcp_resumes_at_another_layout(ranks, checkpoints, tmp_path, case):
+    """torch DCP saves model and optimizer state at one layout and resumes at another; the next steps' losses
+    and norms equal an uninterrupted run (within 1e-5)."""
+    world, saved, resumed = RESHARDS[case]
+    path = checkpoints("qwen2_moe")
+    ckpt = str(tmp_path / "dcp")
+    ranks(world).run(_save_after_steps, path, saved, ckpt, 2)
+    check(ranks(world).run(_resume, path, resumed, ckpt, 2, 2))
+
+
+def _distributed_config(path: str, fields: dict) -> dict:
+    """transformers' from_pretrained with DistributedConfig(**fields) after install(): the model and 3 steps."""
+    from transformers.distributed import DistributedConfig
+
+    hf_moe_tp.install()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(**fields)).train()
+    finally:
+        hf_moe_tp.uninstall()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = batches(model.config.vocab_size)
+    loss, norm = run_steps(model, opt, data)
+    ref_loss, ref_norm = reference_steps(path, data)
+    dp = getattr(model, "hf_moe_tp_dp_mesh", None)
+    return {"loss": loss, "ref_loss": ref_loss, "norm": norm, "ref_norm": ref_norm, "all_dtensor": True,
+            "meshes": len({p.device_mesh for p in model.parameters()}), "dp_size": dp.size() if dp else 1,
+            "param_dtype": str(model.model.layers[0].mlp.gate.weight.dtype)}
+
+
+@pytest.mark.parametrize("fields", [dict(tp_size=2, fsdp_size=2), dict(tp_size=2, fsdp_size=2, ep_size=2)],
+                         ids=["tp2_fsdp2", "tp2_fsdp2_ep2"])
+def test_transformers_distributed_config(ranks, checkpoints, fields):
+    """After install(), DistributedConfig(tp_size=2, fsdp_size=2[, ep_size=2]) gives the FSDP2 x TP (EP) model:
+    its training equals one process (it used to ignore fsdp_size and train silently wrong)."""
+    results = ranks(4).run(_distributed_config, checkpoints("mixtral"), fields)
+    check(results)
+    assert all(r["dp_size"] == 2 for r in results)
+
+
+def _mixed_precision(path: str) -> dict:
+    from transformers.distributed import DistributedConfig
+
+    hf_moe_tp.install()
+    try:
+        config = DistributedConfig(tp_size=2, fsdp_size=2, fsdp_mixed_precision=True, fsdp_cpu_offload=True)
+        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config).train()
+    finally:
+        hf_moe_tp.uninstall()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = batches(model.config.vocab_size)
+    loss, _ = run_steps(model, opt, data)
+    ref_loss, _ = reference_steps(path, data)
+    state = model.model.layers[0]._get_fsdp_state()._fsdp_param_group
+    return {"loss": max(abs(a - b) for a, b in zip(loss, ref_loss, strict=True)),
+            "param_dtype": str(state.mp_policy.param_dtype), "offload": type(state.offload_policy).__name__,
+            "dp": model.hf_moe_tp_dp_mesh.size(),
+            "stored": str(next(model.parameters()).dtype)}
+
+
+def test_fsdp_mixed_precision_and_offload(ranks, checkpoints):
+    """fsdp_mixed_precision (bf16 compute, fp32 reductions, as transformers sets it) and fsdp_cpu_offload pass
+    through to fully_shard: fp32 parameters stored, bf16 forward; losses within 2e-2 of fp32 one process
+    (bf16 rounding of the weights and activations over 3 steps). On a CPU mesh the parameters already live in
+    host memory, so the offload is left out (with a warning; fully_shard refuses it without an accelerator)."""
+    for r in ranks(4).run(_mixed_precision, checkpoints("mixtral")):
+        assert r["param_dtype"] == "torch.bfloat16" and r["offload"] == "OffloadPolicy" and r["dp"] == 2, r
+        assert r["stored"] == "torch.float32" and r["loss"] <= 2e-2, r
+
+
+def _refused(path: str, fields: dict) -> str | None:
+    from transformers.distributed import DistributedConfig
+
+    hf_moe_tp.install()
+    try:
+        AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(**fields))
+    except ValueError as e:
+        return str(e)
+    finally:
+        hf_moe_tp.uninstall()
+    return None
+
+
+@pytest.mark.parametrize("fields,named", [
+    (dict(tp_size=2, pp_size=2), "pp_size=2"),
+    (dict(tp_size=4, enable_sequence_parallel=True), "enable_sequence_parallel=True"),
+    (dict(tp_size=2, fsdp_size=2, fsdp_plan={"model.layers.*": "free_full_weight"}), "fsdp_plan="),
+    (dict(tp_size=4, ep_size=4, ep_plan={"model.layers.*.mlp.experts": "ep_dispatch_experts"}), "ep_plan="),
+    (dict(tp_size=4, ep_size=4, ep_implementation="deepgemm_megamoe"), "ep_implementation='deepgemm_megamoe'"),
+    (dict(tp_size=1, fsdp_size=2, ep_size=2), "must equal the world size 4"),
+])
+def test_unsupported_distributed_config_refused(ranks, checkpoints, fields, named):
+    """Each DistributedConfig field we do not support is refused with an error naming it, on every rank,
+    before anything is read."""
+    for message in ranks(4).run(_refused, checkpoints("mixtral"), fields):
+        assert message is not None and named in message, message
