@@ -38,7 +38,7 @@ import torch.distributed as dist
 from accelerate import init_empty_weights
 from huggingface_hub import split_torch_state_dict_into_shards
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from tqdm.auto import tqdm
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import PrefixChange, revert_weight_conversion
@@ -160,6 +160,7 @@ def save_pretrained(
                 path.unlink(missing_ok=True)
         raise
     finally:
+        _last_reduced.clear()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return SaveReport(path=out, files=list(split.filename_to_tensors), tensors=len(entries),
@@ -370,6 +371,7 @@ def _gather_box(t: torch.Tensor, box: Box, keep: bool) -> torch.Tensor | None:
     slices = tuple(slice(a, b) for a, b in box)
     if not isinstance(t, DTensor):
         return t.detach()[slices].cpu() if keep else None
+    t = _one_sharded_dim(t)
     local = t.to_local().detach()
     placements, mesh = t.placements, t.device_mesh
     if all(p.is_replicate() for p in placements):
@@ -419,6 +421,33 @@ def _gather_box(t: torch.Tensor, box: Box, keep: bool) -> torch.Tensor | None:
     if error is not None:
         raise error
     return out
+
+
+_last_reduced: list = []  # (tensor, its 1-D form): an expert parameter is gathered one expert box at a time
+
+
+def _one_sharded_dim(t: DTensor) -> DTensor:
+    """A DTensor on a 2-D or 3-D mesh (FSDP2 over data-parallel dims, TP inside) as a 1-D ``Shard`` DTensor
+    over the innermost dim that shards it: the other dims are all-gathered first (each rank then holds its
+    tensor-parallel shard, as without FSDP), once per parameter, not once per expert box."""
+    if t.device_mesh.ndim == 1 or not t.device_mesh.mesh_dim_names:
+        return t
+    if _last_reduced and _last_reduced[0][0] is t:
+        return _last_reduced[0][1]
+    sharded = [d for d, p in enumerate(t.placements) if not p.is_replicate()]
+    if not sharded:
+        return t
+    keep = sharded[-1]
+    if type(t.placements[keep]) is not Shard:
+        return t
+    placements = [Replicate()] * t.device_mesh.ndim
+    placements[keep] = t.placements[keep]
+    local = t.detach().redistribute(t.device_mesh, placements).to_local()
+    sub = t.device_mesh[t.device_mesh.mesh_dim_names[keep]]
+    reduced = DTensor.from_local(local, sub, [t.placements[keep]], run_check=False, shape=t.shape,
+                                 stride=t.stride())
+    _last_reduced[:] = [(t, reduced)]
+    return reduced
 
 
 def _part_shape(box: Box, dim: int, a: int, b: int) -> list[int]:

@@ -306,3 +306,28 @@ def test_unsupported_distributed_config_refused(ranks, checkpoints, fields, name
     before anything is read."""
     for message in ranks(4).run(_refused, checkpoints("mixtral"), fields):
         assert message is not None and named in message, message
+
+
+def _save_from_layout(path: str, kwargs: dict, out: str) -> dict:
+    """One training step at an FSDP2 layout, then hf_moe_tp.save_pretrained; the trained logits."""
+    model = layout_model(path, kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run_steps(model, opt, batches(model.config.vocab_size, 1))
+    hf_moe_tp.save_pretrained(model, out)
+    ids = batches(model.config.vocab_size, 1)[0]
+    with torch.no_grad():
+        return {"logits": model.eval()(ids).logits}
+
+
+@pytest.mark.parametrize("layout", ["dp2_tp2", "dp2_ep2", "ep2_tp2_fsdp_over_ep"])
+def test_save_pretrained_from_fsdp_layouts(ranks, checkpoints, tmp_path, layout):
+    """save_pretrained writes hub-format files from FSDP2 layouts: plain transformers loads the trained model
+    and computes its logits (within 1e-5)."""
+    out = tmp_path / "saved"
+    results = ranks(4).run(_save_from_layout, checkpoints("qwen2_moe"), LAYOUTS[layout], str(out))
+    reloaded = AutoModelForCausalLM.from_pretrained(out, experts_implementation="eager").eval()
+    ids = batches(reloaded.config.vocab_size, 1)[0]
+    with torch.no_grad():
+        expected = reloaded(ids).logits
+    for r in results:
+        assert (r["logits"] - expected).abs().max().item() <= TOL
