@@ -36,9 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect.add_argument("--tp", type=int, default=2, help="tensor-parallel size to plan for (default 2)")
 
     generate = commands.add_parser(
-        "generate", help="generate greedily from a checkpoint, tensor-parallel",
-        description="Load PATH tensor-parallel and generate greedily. Under torchrun (or accelerate launch) it "
-        "uses the ranks it is given; otherwise it starts --tp local ranks itself.")
+        "generate", help="generate from a checkpoint, tensor-parallel (greedy, or sampled with --sample)",
+        description="Load PATH tensor-parallel and generate, greedily unless --sample. Under torchrun (or "
+        "accelerate launch) it uses the ranks it is given; otherwise it starts --tp local ranks itself. Sampling "
+        "draws the same tokens on every rank (rank 0's generator), as one process seeded with --seed would.")
     generate.add_argument("path", help="checkpoint folder")
     generate.add_argument("--tp", type=int, default=2, help="local ranks to start when not under torchrun")
     generate.add_argument("--prompt", help="text prompt (needs a tokenizer in PATH)")
@@ -47,6 +48,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     generate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     generate.add_argument("--ep-size", type=int, default=None,
                           help="expert parallelism: whole experts per rank over this many ranks (default: off)")
+    generate.add_argument("--sample", action="store_true",
+                          help="sample (do_sample=True) with the checkpoint's generation_config, changed by the "
+                          "options below")
+    generate.add_argument("--temperature", type=float, default=None)
+    generate.add_argument("--top-k", type=int, default=None)
+    generate.add_argument("--top-p", type=float, default=None)
+    generate.add_argument("--seed", type=int, default=0, help="torch.manual_seed on every rank (default 0)")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -60,7 +68,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from .generation import generate_on_ranks, generate_rank
 
-    request = (args.path, args.prompt, args.ids, args.max_new_tokens, args.dtype, args.ep_size)
+    sampling = None
+    if args.sample:
+        sampling = {"do_sample": True, "seed": args.seed, **{k: v for k, v in (
+            ("temperature", args.temperature), ("top_k", args.top_k), ("top_p", args.top_p)) if v is not None}}
+    elif any(v is not None for v in (args.temperature, args.top_k, args.top_p)):
+        parser.error("--temperature, --top-k and --top-p need --sample")
+    request = (args.path, args.prompt, args.ids, args.max_new_tokens, args.dtype, args.ep_size, sampling)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         text = generate_rank(*request)
         if text is not None:

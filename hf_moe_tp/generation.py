@@ -1,4 +1,4 @@
-"""``hf-moe-tp generate``: greedy generation from a checkpoint, tensor-parallel."""
+"""``hf-moe-tp generate``: generation from a checkpoint, tensor-parallel, greedy or sampled."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import torch
 
 
 def generate_rank(path: str, prompt: str | None, ids: list[int] | None, max_new_tokens: int,
-                  dtype: str | None = None, ep_size: int | None = None) -> str | None:
-    """On one rank of a running job: load, generate, and return the result text on rank 0 (None elsewhere)."""
+                  dtype: str | None = None, ep_size: int | None = None, sampling: dict | None = None) -> str | None:
+    """On one rank of a running job: load, generate, and return the result text on rank 0 (None elsewhere).
+
+    ``sampling``: ``do_sample`` and sampler options for ``generate``, plus ``seed`` (set on every rank);
+    greedy without it."""
     import torch.distributed as dist
 
     from .pretrained import from_pretrained
@@ -22,7 +25,10 @@ def generate_rank(path: str, prompt: str | None, ids: list[int] | None, max_new_
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids
     else:
         input_ids = torch.tensor([ids or list(range(1, 9))])
-    out = model.generate(input_ids.to(model.device), max_new_tokens=max_new_tokens, do_sample=False)[0]
+    options = dict(sampling or {"do_sample": False})
+    if "seed" in options:
+        torch.manual_seed(options.pop("seed"))
+    out = model.generate(input_ids.to(model.device), max_new_tokens=max_new_tokens, **options)[0]
     if dist.get_rank() != 0:
         return None
     new = out[input_ids.shape[1]:].tolist()
@@ -30,11 +36,12 @@ def generate_rank(path: str, prompt: str | None, ids: list[int] | None, max_new_
 
 
 def generate_on_ranks(tp: int, path: str, prompt: str | None, ids: list[int] | None, max_new_tokens: int,
-                      dtype: str | None = None, ep_size: int | None = None) -> str:
+                      dtype: str | None = None, ep_size: int | None = None, sampling: dict | None = None) -> str:
     """Start ``tp`` local ranks, generate on them, return rank 0's text."""
     from .launch import run_on_ranks
 
-    return run_on_ranks(generate_rank, tp, path, prompt, ids, max_new_tokens, dtype, ep_size, timeout=3600)[0]
+    return run_on_ranks(generate_rank, tp, path, prompt, ids, max_new_tokens, dtype, ep_size, sampling,
+                        timeout=3600)[0]
 
 
 def _tokenizer(path: str):

@@ -1,0 +1,227 @@
+"""Train the bench Mixtral-shaped model at (dp 2 x tp 2) on 4 gloo ranks: hf_moe_tp against transformers' native
+``DistributedConfig(tp_size=2, fsdp_size=2)``, fp32 and bf16, training tokens per second and peak memory per rank.
+
+    python bench/train.py [--layers 2] [--batch 4] [--seq 256] [--repeats 3] [--dtypes float32 bfloat16]
+
+The model is bench/load.py's Mixtral shape (hidden 1024, 16 experts of 1536, top-2, 16 heads, 8 KV heads,
+vocabulary 32000) with ``--layers`` decoder layers (4 is bench/load.py's checkpoint itself), made once with
+save_pretrained under ~/.cache/hf_moe_tp. The variants, all loaded once from the same files into the same 4 ranks
+and then timed in rotation:
+
+- ``hf_moe_tp``: ``hf_moe_tp.from_pretrained(path, fsdp_size=2)``: TP=2 inside each of 2 data-parallel
+  replicas, FSDP2 on every decoder layer and the root (the data-parallel mesh is ``model.hf_moe_tp_dp_mesh``);
+- ``hf_moe_tp loss_parallel``: the same with ``loss_parallel=True`` (the loss from logits split over the
+  vocabulary, never gathered; ``--no-loss-parallel`` leaves it out);
+- ``transformers fsdp2 x tp2``: ``AutoModelForCausalLM.from_pretrained(path,
+  distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))`` with hf_moe_tp not installed: transformers' own
+  TP styles and experts, its own ``fully_shard`` plan; its data-parallel coordinate is the ``"fsdp"`` dimension of
+  ``model._mesh_manager`` (a ``(pp, dp_replicate, fsdp, tp)`` mesh).
+
+Both layouts put ranks (0, 1) and (2, 3) in the two TP groups; the ranks of one replica get the same rows, the
+two replicas the two halves of the global ``--batch`` x ``--seq`` batch (token ids fixed by seed; labels = ids).
+A training step is forward with labels, backward, ``clip_grad_norm_(params, 1.0)``, AdamW (foreach, lr 1e-5)
+and ``zero_grad``. Tokens per second are the global tokens of a step over the median step time of rank 0 over
+``--repeats`` rounds after one warm-up round. The warm-up round is each variant's first step on the unchanged
+weights: its global loss (the mean over the replicas) and total gradient norm are printed for every variant,
+and must agree to 1e-4 relative in fp32 and 3e-2 in bf16, so that the figures compare equal work.
+
+Peak memory per rank is the peak of live tensor bytes during one more step after the timed ones: the bytes
+held when it starts (every parameter's local storage, the optimizer's state and buffers, counted without
+repeats) plus the highest rise above that during the step, from the allocation and free events of torch's
+CPU allocator that ``torch.profiler`` records with ``profile_memory=True`` (the CPU counterpart of
+``torch.cuda.max_memory_allocated``; torch keeps no CPU allocator statistics). Memory outside torch's
+allocator (Python objects, gloo's own buffers, oneDNN scratch) is not in it. The largest rank's figure is
+printed. RSS is not, per variant: all variants live in the same processes, and with the pinned thresholds
+freed memory stays mapped for reuse, so an RSS peak cannot be told apart between them; the processes' VmHWM
+over the whole run is printed for scale.
+
+Ranks run with glibc's malloc thresholds pinned (bench/allocator.py; ``--system-malloc`` keeps the defaults),
+so freed activations are reused instead of re-faulted, for every variant alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from allocator import pin_malloc
+from collectives import rotated_medians
+from load import CONFIG
+
+from hf_moe_tp.launch import run_on_ranks
+
+WORLD, TP, DP = 4, 2, 2
+OURS, OURS_LP, NATIVE = "hf_moe_tp", "hf_moe_tp loss_parallel", "transformers fsdp2 x tp2"
+TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
+
+
+def default_dir(layers: int) -> Path:
+    if layers == CONFIG["num_hidden_layers"]:
+        return Path.home() / ".cache/hf_moe_tp/bench-mixtral-1.5g"  # bench/load.py's checkpoint
+    return Path.home() / f".cache/hf_moe_tp/bench-mixtral-{layers}-layers"
+
+
+def make_checkpoint(path: Path, layers: int) -> None:
+    """bench/load.py's checkpoint with ``layers`` decoder layers (same seed, same shard size)."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(MixtralConfig(**(CONFIG | {"num_hidden_layers": layers})))
+    model.save_pretrained(path, max_shard_size="400MB")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def held_bytes(model, opt) -> int:
+    """Bytes of this rank's parameters (FSDP2's padded shards included), gradients, buffers and optimizer
+    state, each storage once."""
+    storages = {}
+    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None), *model.buffers()]
+    tensors += [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)]
+    for t in tensors:
+        s = local(t).untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
+def peak_rise_bytes(fn) -> int:
+    """The highest rise of live tensor bytes above the start while ``fn()`` runs, from the allocator's events
+    that torch.profiler records."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def vm_hwm_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int, loss_parallel: bool) -> dict:
+    """Every variant loaded in the same ranks, then timed in rotation (ours, ours loss_parallel, transformers,
+    ours, ...), so drift in the machine's speed hits them alike."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import hf_moe_tp
+    from hf_moe_tp.install import installed
+
+    hf_moe_tp.uninstall()  # transformers' own loader for its row (a fresh rank never installed it)
+    assert not installed()
+    dtype = getattr(torch, dtype_name)
+    models = {OURS: hf_moe_tp.from_pretrained(path, fsdp_size=DP, dtype=dtype)}
+    if loss_parallel:
+        models[OURS_LP] = hf_moe_tp.from_pretrained(path, fsdp_size=DP, dtype=dtype, loss_parallel=True)
+    config = DistributedConfig(tp_size=TP, fsdp_size=DP)
+    models[NATIVE] = AutoModelForCausalLM.from_pretrained(path, distributed_config=config, dtype=dtype)
+
+    def dp_coordinate(name: str, model) -> tuple[int, int]:
+        mesh = model._mesh_manager.get_mesh("fsdp") if name == NATIVE else model.hf_moe_tp_dp_mesh
+        assert mesh.ndim == 1
+        return mesh.get_local_rank(), mesh.size()
+
+    ids = torch.randint(0, CONFIG["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
+    first: dict[str, list[torch.Tensor]] = {}
+    steps, opts, info = {}, {}, {}
+    for name, model in models.items():
+        model.train()
+        index, count = dp_coordinate(name, model)
+        mine = ids.chunk(count)[index]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        first[name] = []
+
+        def step(model=model, opt=opt, mine=mine, record=first[name]) -> None:
+            loss = model(mine, labels=mine).loss
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            if not record:  # the first step, on the weights as loaded
+                record += [loss.detach(), norm.detach()]
+
+        steps[name], opts[name] = step, opt
+        params = list(model.parameters())
+        info[name] = {"dp": (index, count), "meshes": len({getattr(p, "device_mesh", None) for p in params}),
+                      "experts": getattr(model.config, "_experts_implementation", None)}
+
+    seconds = rotated_medians(steps, repeats)
+    out = {}
+    for name, model in models.items():
+        loss, norm = first[name]
+        loss = loss.float().clone()
+        dist.all_reduce(loss)  # equal-sized halves: the global loss is the mean of the ranks' losses
+        held = held_bytes(model, opts[name])
+        rise = peak_rise_bytes(steps[name])
+        out[name] = info[name] | {
+            "tok_s": batch * seq / seconds[name], "step_s": seconds[name], "loss": loss.item() / WORLD,
+            "norm": (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float().item(),
+            "peak_mib": (held + rise) / 2**20, "held_mib": held / 2**20}
+    out["vm_hwm_mib"] = vm_hwm_mib()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--dir", type=Path, default=None, help="checkpoint (default: made under ~/.cache/hf_moe_tp)")
+    p.add_argument("--batch", type=int, default=4, help="global batch rows, split over the 2 replicas")
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--no-loss-parallel", action="store_true", help="leave out the loss_parallel row")
+    p.add_argument("--system-malloc", action="store_true", help="keep glibc's default malloc thresholds")
+    args = p.parse_args()
+    malloc = pin_malloc(args.system_malloc)
+    path = args.dir or default_dir(args.layers)
+    if args.batch % DP:
+        raise SystemExit(f"--batch {args.batch} must split over {DP} replicas")
+    if not (path / "config.json").is_file():
+        print(f"making {path} ...", file=sys.stderr)
+        make_checkpoint(path, args.layers)
+    print(f"{path.name}: Mixtral-shaped, {args.layers} layers; dp {DP} x tp {TP} on {WORLD} gloo ranks; global batch "
+          f"{args.batch} x {args.seq} tokens; AdamW + clip_grad_norm_; median of {args.repeats}; {malloc}")
+    for dtype in args.dtypes:
+        ranks = run_on_ranks(bench_rank, WORLD, str(path), dtype, args.batch, args.seq, args.repeats,
+                             not args.no_loss_parallel, timeout=3600)
+        results = {name: r for name, r in ranks[0].items() if name != "vm_hwm_mib"}  # rank 0 speaks for timing
+        peak = {name: max(r[name]["peak_mib"] for r in ranks) for name in results}
+        ref = results[NATIVE]
+        print(f"\n{dtype}\n")
+        print("| variant | training tok/s | vs transformers | peak tensor MiB per rank | vs transformers | "
+              "of which held (params, grads, AdamW) |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, r in results.items():
+            print(f"| {name} | {r['tok_s']:.0f} | {r['tok_s'] / ref['tok_s']:.2f}x | {peak[name]:.0f} | "
+                  f"{peak[name] / peak[NATIVE]:.2f}x | {max(x[name]['held_mib'] for x in ranks):.0f} |")
+        tol = TOLERANCE.get(dtype, 3e-2)
+        print()
+        for name, r in results.items():
+            dl = abs(r["loss"] - ref["loss"]) / abs(ref["loss"])
+            dn = abs(r["norm"] - ref["norm"]) / abs(ref["norm"])
+            verdict = "agree" if max(dl, dn) <= tol else f"DIFFER (tolerance {tol:g})"
+            print(f"  {name:<25} first step: loss {r['loss']:.6f}, grad norm {r['norm']:.6f} ({verdict}: "
+                  f"{dl:.1e}, {dn:.1e} relative); step {r['step_s']:.2f} s; dp coordinate {r['dp']} on rank 0; "
+                  f"{r['meshes']} parameter mesh(es); experts {r['experts']}")
+        print(f"  process VmHWM (all variants together): "
+              + ", ".join(f"rank {i} {r['vm_hwm_mib']:.0f} MiB" for i, r in enumerate(ranks)))
+
+
+if __name__ == "__main__":
+    main()
