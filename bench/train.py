@@ -106,6 +106,24 @@ def peak_rise_bytes(fn) -> int:
     return peak
 
 
+def clip_grad_norm_per_mesh_(params, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` for parameters on more than one device mesh, as torchtitan does it: each mesh's norm
+    made whole (``full_tensor``), the total from those, then every group scaled. torch's own stacks the
+    per-tensor norms, which DTensor refuses across meshes."""
+    groups: dict = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
 def vm_hwm_mib() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -146,11 +164,14 @@ def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int, l
         mine = ids.chunk(count)[index]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         first[name] = []
+        # one mesh for every parameter (hf_moe_tp): torch's clip_grad_norm_; two (transformers: the fsdp mesh
+        # for what TP leaves whole, (fsdp, tp) for the rest): torch's refuses them, so the per-mesh one
+        clip = torch.nn.utils.clip_grad_norm_ if name != NATIVE else clip_grad_norm_per_mesh_
 
-        def step(model=model, opt=opt, mine=mine, record=first[name]) -> None:
+        def step(model=model, opt=opt, mine=mine, record=first[name], clip=clip) -> None:
             loss = model(mine, labels=mine).loss
             loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            norm = clip(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
             if not record:  # the first step, on the weights as loaded
@@ -219,7 +240,7 @@ def main() -> None:
             print(f"  {name:<25} first step: loss {r['loss']:.6f}, grad norm {r['norm']:.6f} ({verdict}: "
                   f"{dl:.1e}, {dn:.1e} relative); step {r['step_s']:.2f} s; dp coordinate {r['dp']} on rank 0; "
                   f"{r['meshes']} parameter mesh(es); experts {r['experts']}")
-        print(f"  process VmHWM (all variants together): "
+        print("  process VmHWM (all variants together): "
               + ", ".join(f"rank {i} {r['vm_hwm_mib']:.0f} MiB" for i, r in enumerate(ranks)))
 
 
