@@ -17,7 +17,7 @@ import torch.distributed as dist
 from accelerate.parallelism_config import ParallelismConfig
 
 import hf_moe_tp
-from hf_moe_tp.pretrained import init_process_group
+from hf_moe_tp.meshes import init_process_group
 
 init_process_group()
 device = "cuda" if torch.cuda.is_available() else "cpu"

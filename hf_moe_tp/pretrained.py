@@ -19,10 +19,8 @@ from .experts import GroupedExperts
 from .fsdp import shard_data_parallel
 from .loading import load_checkpoint
 from .loss import causal_lm_loss, gather_logits_unless_training
-from .meshes import init_process_group, resolve_layout, resolve_mesh, resolve_meshes
+from .meshes import init_process_group, resolve_layout
 from .randomness import same_draws_in_training, with_leader_state
-
-__all__ = ["LoadError", "agree", "from_pretrained", "init_process_group", "resolve_mesh", "resolve_meshes"]
 
 
 def from_pretrained(
