@@ -3,15 +3,17 @@
 ``tp_plan`` maps transformers' column/row-wise names to torch's styles (``plans.HF_STYLES``); the entries here
 need a look at the model: ``mla_kv_a_proj`` (MLA attention), ``local_params`` (per-head sinks and biases split
 by name), per-head norms some plans leave out, row-wise entries whose inputs nothing splits, and split layers
-that hold submodules with parameters.
+that hold submodules with parameters. Also what every plan reader shares: how a plan key matches a module name
+(:func:`matches`) and whether attention heads divide by the TP size (:func:`heads_divide`).
 """
 
 from __future__ import annotations
 
+import fnmatch
+
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from .plans import heads_divide, matches
 from .styles import LocalParams, MlaKvAProj
 
 
@@ -140,3 +142,24 @@ def mla_entries(model: nn.Module, tp_size: int | None) -> dict:
             if rope_dim and isinstance(sibling, nn.Linear) and split and sibling.out_features % tp_size == 0:
                 out[name] = MlaKvAProj(rope_dim)
     return out
+
+
+def matches(name: str, pattern: str) -> bool:
+    """Whether module ``name`` matches plan key ``pattern``: ``*`` stands for one name atom, as in transformers'
+    and ``parallelize_module``'s plans."""
+    return fnmatch.fnmatchcase(name, pattern) and name.count(".") == pattern.count(".")
+
+
+def heads_divide(config, tp_size: int | None) -> bool:
+    """Whether attention heads (query and key/value) split evenly over ``tp_size`` ranks, in every layer of a
+    per-layer (heterogeneous) config."""
+    if tp_size is None:
+        return True
+    text = getattr(config, "get_text_config", lambda: config)()
+    layers = list(text.per_layer_config) if getattr(text, "is_heterogeneous", False) else [text]
+    for layer in layers:
+        heads = getattr(layer, "num_attention_heads", None)
+        kv = getattr(layer, "num_key_value_heads", None) or heads
+        if heads is None or heads % tp_size or kv % tp_size:
+            return False
+    return True

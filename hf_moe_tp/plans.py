@@ -10,8 +10,6 @@ dispatch in the hot path and no mixing of plain tensors and DTensors in code tha
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,6 +24,7 @@ from transformers import PretrainedConfig
 
 from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
+from .hf_plan import entries, heads_divide, matches
 from .styles import LocalParams, NoParallel, TensorParallel, VocabParallelEmbedding, swap_to_local
 
 # transformers' plan names -> torch styles. Expert entries are ours (TensorParallel on GroupedExperts).
@@ -88,8 +87,6 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, 
             and modules[head].out_features % tp_size == 0):
         plan[head] = HF_STYLES["colwise_gather_output"]()  # families whose transformers plan leaves it whole
     from model_patches import adapter_for
-
-    from .hf_plan import entries
 
     plan.update(entries(model, tp_size))
     plan.update(adapter_for(model).plan_entries(model, tp_size))
@@ -193,12 +190,6 @@ def _style_for(name: str, plan: dict[str, ParallelStyle]) -> ParallelStyle | Non
     return None
 
 
-def matches(name: str, pattern: str) -> bool:
-    """Whether module ``name`` matches plan key ``pattern``: ``*`` stands for one name atom, as in transformers'
-    and ``parallelize_module``'s plans."""
-    return fnmatch.fnmatchcase(name, pattern) and name.count(".") == pattern.count(".")
-
-
 def _match(pattern: str, modules: dict[str, nn.Module]) -> list[str]:
     return [n for n in modules if matches(n, pattern)]
 
@@ -213,21 +204,6 @@ def _is_embedding_or_head(name: str, model: nn.Module) -> bool:
     outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     module = model.get_submodule(name)
     return module is inputs or module is outputs
-
-
-def heads_divide(config, tp_size: int | None) -> bool:
-    """Whether attention heads (query and key/value) split evenly over ``tp_size`` ranks, in every layer of a
-    per-layer (heterogeneous) config."""
-    if tp_size is None:
-        return True
-    text = getattr(config, "get_text_config", lambda: config)()
-    layers = list(text.per_layer_config) if getattr(text, "is_heterogeneous", False) else [text]
-    for layer in layers:
-        heads = getattr(layer, "num_attention_heads", None)
-        kv = getattr(layer, "num_key_value_heads", None) or heads
-        if heads is None or heads % tp_size or kv % tp_size:
-            return False
-    return True
 
 
 def _divides(name: str, module: nn.Module, style_name: str, config, tp_size: int) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from hf_moe_tp.plans import heads_divide
+from hf_moe_tp.hf_plan import heads_divide
 
 from .base import Adapter
 
