@@ -1,7 +1,7 @@
 """Train the bench Mixtral-shaped model at (dp 2 x tp 2) on 4 gloo ranks: hf_moe_tp against transformers' native
 ``DistributedConfig(tp_size=2, fsdp_size=2)``, fp32 and bf16, training tokens per second and peak memory per rank.
 
-    python bench/train.py [--layers 1] [--batch 4] [--seq 256] [--repeats 3] [--dtypes float32 bfloat16]
+    python bench/train.py [--layers 1] [--batch 4] [--seq 256] [--repeats 3] [--loss-parallel]
 
 The model is bench/load.py's Mixtral shape (hidden 1024, 16 experts of 1536, top-2, 16 heads, 8 KV heads,
 vocabulary 32000) with ``--layers`` decoder layers (4 is bench/load.py's checkpoint itself), made once with
@@ -9,31 +9,44 @@ save_pretrained under ~/.cache/hf_moe_tp. The variants, all loaded once from the
 and then timed in rotation:
 
 - ``hf_moe_tp``: ``hf_moe_tp.from_pretrained(path, fsdp_size=2)``: TP=2 inside each of 2 data-parallel
-  replicas, FSDP2 on every decoder layer and the root (the data-parallel mesh is ``model.hf_moe_tp_dp_mesh``);
-- ``hf_moe_tp loss_parallel``: the same with ``loss_parallel=True`` (the loss from logits split over the
-  vocabulary, never gathered; ``--no-loss-parallel`` leaves it out);
+  replicas, FSDP2 on every decoder layer and the root; the data-parallel coordinate is that of
+  ``model.hf_moe_tp_dp_mesh``;
+- with ``--loss-parallel``, ``hf_moe_tp loss_parallel``: the same with ``loss_parallel=True`` (the loss from
+  logits split over the vocabulary, never gathered);
 - ``transformers fsdp2 x tp2``: ``AutoModelForCausalLM.from_pretrained(path,
   distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))`` with hf_moe_tp not installed: transformers' own
-  TP styles and experts, its own ``fully_shard`` plan; its data-parallel coordinate is the ``"fsdp"`` dimension of
-  ``model._mesh_manager`` (a ``(pp, dp_replicate, fsdp, tp)`` mesh).
+  TP styles and experts (``grouped_mm``), its own ``fully_shard`` plan. Its mesh is ``model._mesh_manager``, a
+  ``(pp, dp_replicate, fsdp, tp)`` mesh; the data-parallel coordinate is that of its ``"fsdp"`` dimension.
 
 Both layouts put ranks (0, 1) and (2, 3) in the two TP groups; the ranks of one replica get the same rows, the
 two replicas the two halves of the global ``--batch`` x ``--seq`` batch (token ids fixed by seed; labels = ids).
-A training step is forward with labels, backward, ``clip_grad_norm_(params, 1.0)``, AdamW (foreach, lr 1e-5)
-and ``zero_grad``. Tokens per second are the global tokens of a step over the median step time of rank 0 over
-``--repeats`` rounds after one warm-up round. The warm-up round is each variant's first step on the unchanged
-weights: its global loss (the mean over the replicas) and total gradient norm are printed for every variant,
-and must agree to 1e-4 relative in fp32 and 3e-2 in bf16, so that the figures compare equal work.
+A training step is forward with labels, backward, ``clip_grad_norm_(params, 1.0)``, AdamW (lr 1e-5; torch's
+default, the per-tensor loop for DTensors) and ``zero_grad``; in bf16 the parameters and AdamW's state are bf16
+too. transformers' model fails in torch's ``clip_grad_norm_`` ("All operands in aten.stack.default must have the
+same mesh"): TP leaves its embeddings, norms and routers whole, so FSDP2 puts them on the 1-D ``fsdp`` mesh and
+the rest on ``(fsdp, tp)``. Its row clips with the per-mesh form torchtitan uses (each mesh's norm made whole,
+one total, every gradient scaled by it): the same clipping, two more small all-reduces. hf_moe_tp's parameters
+all live on one mesh and take torch's call.
+
+Tokens per second are the global tokens of a step over rank 0's median step time over ``--repeats`` rounds
+after one warm-up round. The warm-up round is each variant's first step, on the weights as loaded: its global
+loss (the mean over the replicas) and total gradient norm are printed against transformers', and must agree
+(loss 1e-5 relative in fp32, 2e-2 in bf16; norm 3e-3 and 3e-2: torch's fp32 norm of a few million CPU values
+is off by up to ~1e-3 from float64, differently for other shard shapes), so that the figures compare equal
+work; so is the loss of the last timed step.
 
 Peak memory per rank is the peak of live tensor bytes during one more step after the timed ones: the bytes
-held when it starts (every parameter's local storage, the optimizer's state and buffers, counted without
-repeats) plus the highest rise above that during the step, from the allocation and free events of torch's
+held when it starts (the local parts of the parameters, gradients, buffers and the optimizer's state, each
+tensor once) plus the highest rise above that during the step, from the allocation and free events of torch's
 CPU allocator that ``torch.profiler`` records with ``profile_memory=True`` (the CPU counterpart of
 ``torch.cuda.max_memory_allocated``; torch keeps no CPU allocator statistics). Memory outside torch's
 allocator (Python objects, gloo's own buffers, oneDNN scratch) is not in it. The largest rank's figure is
-printed. RSS is not, per variant: all variants live in the same processes, and with the pinned thresholds
-freed memory stays mapped for reuse, so an RSS peak cannot be told apart between them; the processes' VmHWM
-over the whole run is printed for scale.
+printed. Held parameters are counted as the local views: transformers' fp32 parameters stay views into the
+whole tensors of the checkpoint's private memory map (file pages, copied on write), of which a rank touches its
+own part. RSS is not attributed to variants: they live in the same processes, and with the pinned thresholds
+freed memory stays with the process for reuse; the processes' VmHWM over the whole run is printed for scale
+(about 4 GB per rank at the defaults in fp32, 5 GB with ``--loss-parallel``; each more layer adds about
+1 GB per rank and model, so mind the machine's memory when raising ``--layers``).
 
 Ranks run with glibc's malloc thresholds pinned (bench/allocator.py; ``--system-malloc`` keeps the defaults),
 so freed activations are reused instead of re-faulted, for every variant alike.
@@ -83,9 +96,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def held_bytes(model, opt) -> int:
     """Bytes of this rank's parameters (its local shards), gradients, buffers and optimizer state, each tensor
-    once. Counted as views, not storages: transformers' fp32 parameters are views into the whole tensors of the
-    checkpoint's private memory map (file pages, copied on write), whose other ranks' parts this rank never
-    touches."""
+    once. Counted as views, not storages: transformers' fp32 parameters are views into whole tensors of the
+    checkpoint's private memory map (file pages, copied where written)."""
     views = {}
     tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None), *model.buffers()]
     tensors += [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)]
@@ -214,7 +226,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    p.add_argument("--no-loss-parallel", action="store_true", help="leave out the loss_parallel row")
+    p.add_argument("--loss-parallel", action="store_true", help="add a row with from_pretrained(loss_parallel=True)")
     p.add_argument("--system-malloc", action="store_true", help="keep glibc's default malloc thresholds")
     args = p.parse_args()
     path = args.dir or default_dir(args.layers)
@@ -229,7 +241,7 @@ def main() -> None:
     repeats = args.repeats
     for dtype in args.dtypes:
         ranks = run_on_ranks(bench_rank, WORLD, str(path), dtype, args.batch, args.seq, args.repeats,
-                             not args.no_loss_parallel, timeout=3600)
+                             args.loss_parallel, timeout=3600)
         results = {name: r for name, r in ranks[0].items() if name != "vm_hwm_mib"}  # rank 0 speaks for timing
         peak = {name: max(r[name]["peak_mib"] for r in ranks) for name in results}
         ref = results[NATIVE]

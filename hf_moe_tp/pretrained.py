@@ -17,6 +17,7 @@ from . import plans
 from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
 from .fsdp import shard_data_parallel
+from .input_check import check_inputs_on, check_mode
 from .loading import load_checkpoint
 from .loss import causal_lm_loss, gather_logits_unless_training
 from .meshes import init_process_group, resolve_layout
@@ -39,6 +40,7 @@ def from_pretrained(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     ep_dispatch: str | None = None,
+    check_inputs: str | None = None,
 ) -> PreTrainedModel:
     """Load a Hugging Face MoE model tensor-parallel over ``device_mesh`` (or all ranks).
 
@@ -72,6 +74,11 @@ def from_pretrained(
     ``fsdp_size`` equal to its ep size shards the dense layers over the ep ranks (which hold different batches).
     Layouts (:mod:`hf_moe_tp.meshes`) other than these are refused by name.
 
+    ``check_inputs``: compare a fingerprint of the forward's inputs across the TP group
+    (:mod:`hf_moe_tp.input_check`) on the ``"first"`` forward (default), on ``"always"`` every forward, or
+    ``"never"``; ranks fed different inputs raise :class:`~hf_moe_tp.input_check.InputMismatchError` on every
+    rank instead of computing silently wrong results (or aborting in a collective of mismatched sizes).
+
     Failures never leave a rank waiting: whatever fails on any rank (a bad file, a read error on one rank, a
     mesh that leaves this rank out), every rank raises :class:`LoadError` naming each failed rank's error.
     """
@@ -81,6 +88,7 @@ def from_pretrained(
     model = None
     try:
         path = _local_dir(path)
+        check_mode(check_inputs)
         layout = resolve_layout(device_mesh, ep_size, fsdp_size, dp_replicate_size)
         mesh, ep_mesh = layout.tp, layout.ep
         if layout.dp is None and (mp_policy is not None or offload_policy is not None):
@@ -108,6 +116,7 @@ def from_pretrained(
             model.generation_config = GenerationConfig.from_pretrained(path)
         if layout.dp is not None:
             shard_data_parallel(model, layout.dp, mp_policy=mp_policy, offload_policy=offload_policy)
+        check_inputs_on(model, mesh, check_inputs)  # last: its hook runs first, before any other collective
     except Exception as e:  # noqa: BLE001 - every error is reported on every rank below
         error = e
     agree(error)

@@ -68,7 +68,8 @@ def same_draws_in_training(model: nn.Module, mesh: DeviceMesh) -> None:
         saved.append(share_leader_state(mesh) if module.training else None)
 
     def after(module: nn.Module, args: tuple, out: Any) -> None:
-        restore_state(mesh, saved.pop())
+        if saved:  # empty when an earlier pre-hook raised (a failed input check) before ``before`` ran
+            restore_state(mesh, saved.pop())
 
     model.register_forward_pre_hook(before)
     model.register_forward_hook(after, always_call=True)

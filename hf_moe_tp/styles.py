@@ -278,6 +278,8 @@ def local_during_forward(module: nn.Module, slots: list[tuple[dict, str]],
         saved.append(swapped)
 
     def restore(mod: nn.Module, args: tuple, out: Any) -> None:
+        if not saved:  # an earlier pre-hook raised before use_local ran: nothing was swapped
+            return
         for table, name, t in saved.pop():
             table[name] = t
 
