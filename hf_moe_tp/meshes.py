@@ -155,8 +155,16 @@ def resolve_meshes(device_mesh: DeviceMesh | None = None, ep_size: int | None = 
 
 
 def resolve_mesh(device_mesh: DeviceMesh | None = None) -> DeviceMesh:
-    """The 1-D tensor-parallel mesh: ``device_mesh`` itself, its ``"tp"`` dimension, or the whole world."""
+    """The 1-D tensor-parallel mesh: ``device_mesh`` itself, its ``"tp"`` dimension, or the whole world.
+
+    A 1-D mesh cut from a larger one that covers the world (``mesh["tp"]`` of a ``(dp, tp)`` mesh) is used as
+    it is: TP over it, and data parallelism (a user's own ``fully_shard`` over ``mesh["dp"]``) left to the
+    caller."""
     if device_mesh is not None:
+        root = device_mesh._get_root_mesh() if device_mesh.ndim == 1 else device_mesh
+        if root is not device_mesh and root.get_coordinate() is not None and sorted(
+                root.mesh.flatten().tolist()) == list(range(dist.get_world_size())):
+            return device_mesh
         ranks = device_mesh.mesh.flatten().tolist()
         world = dist.get_world_size()
         if device_mesh.get_coordinate() is None or sorted(ranks) != list(range(world)):

@@ -121,9 +121,13 @@ def sink_entries(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, 
     return out
 
 
-def meta_model(config: PretrainedConfig, model_class: type | None = None, dtype: torch.dtype | None = None
-               ) -> nn.Module:
-    """The model ``config`` describes, on the meta device (buffers real), with GroupedExperts swapped in."""
+def meta_model(config: PretrainedConfig, model_class: type | None = None, dtype: torch.dtype | None = None,
+               experts_column_major: bool = False) -> nn.Module:
+    """The model ``config`` describes, on the meta device (buffers real), with GroupedExperts swapped in.
+
+    ``experts_column_major``: store expert weights in the checkpoint's (out, in) orientation where it has one
+    (:meth:`GroupedExperts.store_column_major`), so loading copies without transposing; FSDP2 refuses such
+    (non-contiguous) parameters, so the default is row-major."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -135,8 +139,13 @@ def meta_model(config: PretrainedConfig, model_class: type | None = None, dtype:
         model = cls.from_config(config, **kwargs) if hasattr(cls, "from_config") else cls._from_config(config, **kwargs)
     model.tie_weights()  # transformers ties after loading; the plan needs the ties now
     adapter_for(model).swap_experts(model)
-    # Experts stay row-major (contiguous): FSDP2 shards only contiguous parameters, and the grouped-matmul
-    # kernel runs either layout at one speed. Loading transposes per-expert (out, in) tensors in RAM.
+    # Row-major (contiguous) by default: FSDP2 shards only contiguous parameters; the grouped-matmul kernel
+    # runs either layout at one speed. Loading then transposes per-expert (out, in) tensors in RAM.
+    if experts_column_major:
+        for module in model.modules():
+            layout = getattr(module, "checkpoint_layout", None)
+            if isinstance(module, GroupedExperts) and layout is not None and not layout.transposed:
+                module.store_column_major()
     return model
 
 

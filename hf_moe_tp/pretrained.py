@@ -41,6 +41,7 @@ def from_pretrained(
     offload_policy: OffloadPolicy | None = None,
     ep_dispatch: str | None = None,
     check_inputs: str | None = None,
+    experts_column_major: bool = False,
 ) -> PreTrainedModel:
     """Load a Hugging Face MoE model tensor-parallel over ``device_mesh`` (or all ranks).
 
@@ -79,6 +80,10 @@ def from_pretrained(
     ``"never"``; ranks fed different inputs raise :class:`~hf_moe_tp.input_check.InputMismatchError` on every
     rank instead of computing silently wrong results (or aborting in a collective of mismatched sizes).
 
+    ``experts_column_major``: keep expert weights in the checkpoint's (out, in) memory order (same logical
+    shapes), so loading copies instead of transposing (bench/load.py: 0.83 s instead of 1.08 s per rank on
+    CPU); for inference only: FSDP2 refuses these non-contiguous parameters.
+
     Failures never leave a rank waiting: whatever fails on any rank (a bad file, a read error on one rank, a
     mesh that leaves this rank out), every rank raises :class:`LoadError` naming each failed rank's error.
     """
@@ -91,11 +96,14 @@ def from_pretrained(
         check_mode(check_inputs)
         layout = resolve_layout(device_mesh, ep_size, fsdp_size, dp_replicate_size)
         mesh, ep_mesh = layout.tp, layout.ep
+        if layout.dp is not None and experts_column_major:
+            raise ValueError("experts_column_major=True with FSDP2 (fsdp_size, dp_replicate_size or a data-parallel "
+                             "mesh dimension): FSDP2 shards only contiguous (row-major) parameters")
         if layout.dp is None and (mp_policy is not None or offload_policy is not None):
             raise ValueError("mp_policy and offload_policy are FSDP2's: they need fsdp_size, dp_replicate_size or "
                              "a device_mesh with a data-parallel dimension")
         config = AutoConfig.from_pretrained(path)
-        model = plans.meta_model(config, model_class, dtype)
+        model = plans.meta_model(config, model_class, dtype, experts_column_major=experts_column_major)
         _buffers_to(model, _mesh_device(mesh))  # the loader allocates parameters where the buffers are
         plan = _plan(model, tp_plan, mesh, ep_size=ep_size or (ep_mesh["ep"].size() if ep_mesh else None),
                      loss_parallel=loss_parallel)

@@ -9,6 +9,7 @@ of the parameter, :meth:`Source.request` computes the box to read from the check
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +59,11 @@ class Request:
             # 16 ms per 3 MB expert slice); reading the slice in file order first, then transposing in RAM,
             # takes under 2 ms. Weights stored in the checkpoint's orientation (GroupedExperts' column_major)
             # skip this: a plain copy, about 0.5 ms.
-            view = self._arrange(tensor.contiguous() if not tensor.is_contiguous() else tensor.clone())
+            view = self._arrange(_in_file_order(tensor))
+            if dst.dim() > 2 and view.shape == dst.shape:
+                # torch's blocked transposing copy takes only 2-D tensors: a per-expert slice (1, dim, hidden)
+                # copied as 3-D goes element by element (measured 4.9 ms per 3 MB slice, 2-D 0.7 ms)
+                dst, view = dst.squeeze(), view.squeeze()
         dst.copy_(view)
 
     def _arrange(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -66,6 +71,22 @@ class Request:
         for d in self.fixed:
             tensor = tensor.unsqueeze(d)
         return tensor
+
+
+_scratch = threading.local()
+
+
+def _in_file_order(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``tensor`` (read from the file in order) in this thread's reused buffer: a fresh
+    buffer per slice costs page faults on every read (glibc maps allocations this large anew each time). The
+    loader's reader threads end with the load, and their buffers with them."""
+    numel = tensor.numel()
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.dtype != tensor.dtype or buffer.numel() < numel:
+        buffer = _scratch.buffer = torch.empty(numel, dtype=tensor.dtype)
+    out = buffer[:numel].view(tensor.shape)
+    out.copy_(tensor)
+    return out
 
 
 def _memory_order(t: torch.Tensor) -> tuple[int, ...]:

@@ -331,3 +331,52 @@ def test_save_pretrained_from_fsdp_layouts(ranks, checkpoints, tmp_path, layout)
         expected = reloaded(ids).logits
     for r in results:
         assert (r["logits"] - expected).abs().max().item() <= TOL
+
+
+def _users_own_fully_shard(path: str) -> dict:
+    """The issue's script: load on the TP part of a (dp, tp) mesh, then fully_shard each decoder layer and the
+    root over dp by hand (torchtitan's recipe), train with clipping."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = hf_moe_tp.from_pretrained(path, device_mesh=mesh["tp"])
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    model.hf_moe_tp_dp_mesh = mesh["dp"]  # for data_parallel_rank below
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = batches(model.config.vocab_size)
+    loss, norm = run_steps(model, opt, data)
+    ref_loss, ref_norm = reference_steps(path, data)
+    return {"loss": loss, "ref_loss": ref_loss, "norm": norm, "ref_norm": ref_norm, "all_dtensor": True,
+            "meshes": len({p.device_mesh for p in model.parameters()})}
+
+
+def test_users_own_fully_shard(ranks, checkpoints):
+    """The default model takes fully_shard from the user's own script (it refused the column-major experts)."""
+    check(ranks(4).run(_users_own_fully_shard, checkpoints("mixtral")))
+
+
+def _column_major(path: str) -> dict:
+    model = hf_moe_tp.from_pretrained(path, experts_column_major=True)
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
+    ids = batches(model.config.vocab_size, 1)[0]
+    with torch.no_grad():
+        diff = (model(ids).logits - ref(ids).logits).abs().max().item()
+    w1 = model.model.layers[0].mlp.experts.w1.to_local()
+    try:
+        hf_moe_tp.from_pretrained(path, experts_column_major=True, fsdp_size=2)
+        refused = None
+    except hf_moe_tp.pretrained.LoadError as e:
+        refused = str(e)
+    return {"diff": diff, "contiguous": w1.is_contiguous(), "refused": refused}
+
+
+def test_experts_column_major_option(ranks, checkpoints):
+    """experts_column_major=True (the faster-loading inference layout) gives the same logits; with FSDP2 it is
+    refused by name before any read."""
+    for r in ranks(4).run(_column_major, checkpoints("mixtral")):
+        assert r["diff"] <= TOL and not r["contiguous"], r
+        assert "experts_column_major=True with FSDP2" in (r["refused"] or ""), r
