@@ -223,13 +223,7 @@ def test_dcp_resumes_at_another_layout(ranks, checkpoints, tmp_path, case):
 
 def _distributed_config(path: str, fields: dict) -> dict:
     """transformers' from_pretrained with DistributedConfig(**fields) after install(): the model and 3 steps."""
-    from transformers.distributed import DistributedConfig
-
-    hf_moe_tp.install()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(**fields)).train()
-    finally:
-        hf_moe_tp.uninstall()
+    model = _through_transformers(path, fields)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = batches(model.config.vocab_size)
     loss, norm = run_steps(model, opt, data)
@@ -250,15 +244,19 @@ def test_transformers_distributed_config(ranks, checkpoints, fields):
     assert all(r["dp_size"] == 2 for r in results)
 
 
-def _mixed_precision(path: str) -> dict:
+def _through_transformers(path: str, fields: dict):
     from transformers.distributed import DistributedConfig
 
     hf_moe_tp.install()
     try:
-        config = DistributedConfig(tp_size=2, fsdp_size=2, fsdp_mixed_precision=True, fsdp_cpu_offload=True)
-        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config).train()
+        return AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(**fields)).train()
     finally:
         hf_moe_tp.uninstall()
+
+
+def _mixed_precision(path: str) -> dict:
+    model = _through_transformers(path, dict(tp_size=2, fsdp_size=2, fsdp_mixed_precision=True,
+                                             fsdp_cpu_offload=True))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = batches(model.config.vocab_size)
     loss, _ = run_steps(model, opt, data)
