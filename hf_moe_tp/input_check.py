@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .meshes import mesh_device
+
 MODES = ("first", "always", "never")
 ENV = "HF_MOE_TP_CHECK_INPUTS"
 MAX_INPUTS = 16  # tensors fingerprinted per forward (more are counted, and named in the error if they differ)
@@ -63,7 +65,7 @@ def compare_across(mesh: DeviceMesh, tensors: list[tuple[str, torch.Tensor]]) ->
     """One all-gather of a fixed-size fingerprint of ``tensors`` over ``mesh``; raise
     :class:`InputMismatchError` on every rank if any rank's differs."""
     mine = _fingerprint(tensors)
-    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    device = mesh_device(mesh)
     gathered = torch.empty(mesh.size() * mine.numel(), dtype=mine.dtype, device=device)
     dist.all_gather_single(gathered, mine.to(device), group=mesh.get_group())
     rows = gathered.cpu().view(mesh.size(), -1)

@@ -182,6 +182,13 @@ def resolve_mesh(device_mesh: DeviceMesh | None = None) -> DeviceMesh:
     return init_device_mesh(device, (dist.get_world_size(),), mesh_dim_names=("tp",))
 
 
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's tensors on ``mesh`` live on (the current CUDA device for a CUDA mesh)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 def init_process_group(timeout_s: float = 600.0) -> None:
     """Join the torchrun job described by the environment, or start a world of one; no-op if already joined."""
     if dist.is_initialized():

@@ -20,7 +20,7 @@ from .fsdp import shard_data_parallel
 from .input_check import check_inputs_on, check_mode
 from .loading import load_checkpoint
 from .loss import causal_lm_loss, gather_logits_unless_training
-from .meshes import init_process_group, resolve_layout
+from .meshes import init_process_group, mesh_device, resolve_layout
 from .randomness import same_draws_in_training, with_leader_state
 
 
@@ -104,7 +104,7 @@ def from_pretrained(
                              "a device_mesh with a data-parallel dimension")
         config = AutoConfig.from_pretrained(path)
         model = plans.meta_model(config, model_class, dtype, experts_column_major=experts_column_major)
-        _buffers_to(model, _mesh_device(mesh))  # the loader allocates parameters where the buffers are
+        _buffers_to(model, mesh_device(mesh))  # the loader allocates parameters where the buffers are
         plan = _plan(model, tp_plan, mesh, ep_size=ep_size or (ep_mesh["ep"].size() if ep_mesh else None),
                      loss_parallel=loss_parallel)
         if ep_dispatch is not None:
@@ -165,12 +165,6 @@ def _plan(model: nn.Module, plan, mesh: DeviceMesh, ep_size: int | None = None, 
     if isinstance(plan, dict):
         return plans.resolve_plan(plan)
     raise ValueError(f"tp_plan must be 'auto', None or a dict of module names to styles, got {plan!r}")
-
-
-def _mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
 
 
 def _buffers_to(model: nn.Module, device: torch.device) -> None:

@@ -13,6 +13,7 @@ process draws what that process draws. Inference forwards draw nothing and pay n
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+from .meshes import mesh_device
 
 
 def _states(device: torch.device) -> list[torch.Tensor]:
@@ -40,10 +43,10 @@ def share_leader_state(mesh: DeviceMesh) -> list[torch.Tensor] | None:
     (None on the leader, whose states are the shared ones) for :func:`restore_state`."""
     if mesh.size() == 1:
         return None
-    device = _device(mesh)
+    device = mesh_device(mesh)
     own = _states(device)
     sizes = [s.numel() for s in own]
-    flat = torch.cat(own).to(_comm_device(mesh, device))
+    flat = torch.cat(own).to(device)
     dist.broadcast(flat, group=mesh.get_group(), group_src=0)
     if mesh.get_local_rank() == 0:
         return None
@@ -54,7 +57,7 @@ def share_leader_state(mesh: DeviceMesh) -> list[torch.Tensor] | None:
 def restore_state(mesh: DeviceMesh, own: list[torch.Tensor] | None) -> None:
     """Put back a rank's own generator states taken by :func:`share_leader_state`."""
     if own is not None:
-        _set_states(own, _device(mesh))
+        _set_states(own, mesh_device(mesh))
 
 
 def same_draws_in_training(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -79,8 +82,6 @@ def with_leader_state(fn: Callable[..., Any], mesh: DeviceMesh) -> Callable[...,
     """``fn`` (such as a model's ``generate``) run on the leader's generator states on every rank of ``mesh``:
     one broadcast per call, so sampled tokens agree across the ranks and equal one process's after the same
     seed."""
-    import functools
-
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         own = share_leader_state(mesh)
@@ -90,13 +91,3 @@ def with_leader_state(fn: Callable[..., Any], mesh: DeviceMesh) -> Callable[...,
             restore_state(mesh, own)
 
     return wrapped
-
-
-def _device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _comm_device(mesh: DeviceMesh, device: torch.device) -> torch.device:
-    return device if mesh.device_type == "cuda" else torch.device("cpu")
