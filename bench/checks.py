@@ -67,13 +67,12 @@ def main() -> None:
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     p.add_argument("--system-malloc", action="store_true", help="keep glibc's default malloc thresholds")
     args = p.parse_args()
-    if not args.system_malloc:
-        pin_malloc()
+    malloc = pin_malloc(args.system_malloc)
     from load import make_checkpoint
 
     make_checkpoint(args.dir)
     r = run_on_ranks(bench_rank, 2, str(args.dir), args.repeats, timeout=3600)[0]
-    print(f"TP={r['world']}, fp32, medians of {args.repeats}\n")
+    print(f"TP={r['world']}, fp32, {malloc}, medians of {args.repeats}\n")
     print("| what | with | without | cost |")
     print("| --- | --- | --- | --- |")
     for label in ("1 x 1", "4 x 128"):
