@@ -37,13 +37,17 @@ class RankError(RuntimeError):
 class RankPool:
     """``world_size`` worker processes joined in one gloo process group, running functions on request.
 
+    After one rank fails or dies, the others get ``grace`` seconds to finish before they are taken as hung.
+
     ``fn`` passed to :meth:`run` must be picklable (a module-level function); it runs on every rank with
     ``torch.distributed`` initialised, and its return values come back in rank order.
     """
 
-    def __init__(self, world_size: int, *, timeout: float = 120.0, threads_per_rank: int | None = None) -> None:
+    def __init__(self, world_size: int, *, timeout: float = 120.0, threads_per_rank: int | None = None,
+                 grace: float = FAILURE_GRACE_S) -> None:
         self.world_size = world_size
         self.timeout = timeout
+        self.grace = grace
         self.threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
         self._procs: list = []
         self._task_id = 0
@@ -120,7 +124,7 @@ class RankPool:
                 for rank, p in enumerate(self._procs):
                     if not p.is_alive() and rank not in results and rank not in failures:
                         failures[rank] = f"process died (exit code {p.exitcode})"
-                        deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+                        deadline = min(deadline, time.monotonic() + self.grace)
                 continue
             if tid != task_id:
                 continue
@@ -128,8 +132,8 @@ class RankPool:
                 results[rank] = pickle.loads(value) if value is not None else None
             else:
                 failures[rank] = value
-                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-        waited = timeout if not failures else FAILURE_GRACE_S
+                deadline = min(deadline, time.monotonic() + self.grace)
+        waited = timeout if not failures else self.grace
         for rank in range(self.world_size):
             if rank not in results and rank not in failures:
                 failures[rank] = f"did not finish within {waited:.0f} s (hung, e.g. waiting in a collective)"

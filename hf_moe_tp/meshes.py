@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .timeouts import DEFAULT_TIMEOUT_S
+
 # Mesh dimension names, as torchtitan, accelerate and transformers spell them.
 DP_SHARD_NAMES = ("dp_shard", "dp", "fsdp")
 DP_REPLICATE_NAMES = ("dp_replicate",)
@@ -189,15 +191,17 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def init_process_group(timeout_s: float = 600.0) -> None:
-    """Join the torchrun job described by the environment, or start a world of one; no-op if already joined."""
+def init_process_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Join the torchrun job described by the environment, or start a world of one, with collectives bounded by
+    ``timeout_s``; no-op if already joined. Returns whether it started the group."""
     if dist.is_initialized():
-        return
+        return False
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-        return
+        return True
     store = dist.HashStore()
     dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
+    return True

@@ -21,7 +21,8 @@ from .input_check import check_inputs_on, check_mode
 from .loading import load_checkpoint
 from .loss import causal_lm_loss, gather_logits_unless_training
 from .meshes import init_process_group, mesh_device, resolve_layout
-from .randomness import same_draws_in_training, with_leader_state
+from .randomness import generate_on_leader_state, same_draws_in_training
+from .timeouts import DEFAULT_TIMEOUT_S, explain_collective_failures, set_timeout
 
 
 def from_pretrained(
@@ -42,6 +43,7 @@ def from_pretrained(
     ep_dispatch: str | None = None,
     check_inputs: str | None = None,
     experts_column_major: bool = False,
+    timeout: float | None = None,
 ) -> PreTrainedModel:
     """Load a Hugging Face MoE model tensor-parallel over ``device_mesh`` (or all ranks).
 
@@ -84,11 +86,20 @@ def from_pretrained(
     shapes), so loading copies instead of transposing (bench/load.py: 0.83 s instead of 1.08 s per rank on
     CPU); for inference only: FSDP2 refuses these non-contiguous parameters.
 
+    ``timeout``: seconds that any collective of loading, forward or backward may wait before it fails (a rank
+    that died or stopped calling forward), set on every process group the model uses. Without it, a process
+    group started here waits at most 600 s; one the caller started keeps its own timeouts. A forward whose
+    collective fails raises :class:`~hf_moe_tp.timeouts.CollectiveFailure` naming the ranks that did not
+    report the failure.
+
     Failures never leave a rank waiting: whatever fails on any rank (a bad file, a read error on one rank, a
     mesh that leaves this rank out), every rank raises :class:`LoadError` naming each failed rank's error.
     """
-    if device_mesh is None:
-        init_process_group()
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    started = device_mesh is None and init_process_group(timeout or DEFAULT_TIMEOUT_S)
+    if timeout is None and started:
+        timeout = DEFAULT_TIMEOUT_S  # our group: its meshes' subgroups get the same bound, not torch's 30 min
     error: BaseException | None = None
     model = None
     try:
@@ -96,6 +107,8 @@ def from_pretrained(
         check_mode(check_inputs)
         layout = resolve_layout(device_mesh, ep_size, fsdp_size, dp_replicate_size)
         mesh, ep_mesh = layout.tp, layout.ep
+        if timeout is not None:
+            set_timeout([mesh, ep_mesh, layout.dp], timeout)
         if layout.dp is not None and experts_column_major:
             raise ValueError("experts_column_major=True with FSDP2 (fsdp_size, dp_replicate_size or a data-parallel "
                              "mesh dimension): FSDP2 shards only contiguous (row-major) parameters")
@@ -114,7 +127,7 @@ def from_pretrained(
         model.hf_moe_tp_mesh, model.hf_moe_tp_ep_mesh = mesh, ep_mesh
         same_draws_in_training(model, mesh)  # replicated random ops (router jitter, dropout) agree across TP
         if hasattr(model, "generate"):  # so do sampled tokens
-            model.generate = with_leader_state(model.generate, mesh)
+            generate_on_leader_state(model, mesh)
         model.hf_moe_tp_plan = plan
         if loss_parallel:
             model.loss_function = causal_lm_loss
@@ -124,6 +137,7 @@ def from_pretrained(
             model.generation_config = GenerationConfig.from_pretrained(path)
         if layout.dp is not None:
             shard_data_parallel(model, layout.dp, mp_policy=mp_policy, offload_policy=offload_policy)
+        explain_collective_failures(model, [mesh, ep_mesh, layout.dp], timeout)
         check_inputs_on(model, mesh, check_inputs)  # last: its hook runs first, before any other collective
     except Exception as e:  # noqa: BLE001 - every error is reported on every rank below
         error = e

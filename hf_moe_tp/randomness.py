@@ -14,7 +14,7 @@ process draws what that process draws. Inference forwards draw nothing and pay n
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import types
 from typing import Any
 
 import torch
@@ -78,16 +78,18 @@ def same_draws_in_training(model: nn.Module, mesh: DeviceMesh) -> None:
     model.register_forward_hook(after, always_call=True)
 
 
-def with_leader_state(fn: Callable[..., Any], mesh: DeviceMesh) -> Callable[..., Any]:
-    """``fn`` (such as a model's ``generate``) run on the leader's generator states on every rank of ``mesh``:
-    one broadcast per call, so sampled tokens agree across the ranks and equal one process's after the same
-    seed."""
-    @functools.wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
+def generate_on_leader_state(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Make ``model.generate`` run on the leader's generator states on every rank of ``mesh``: one broadcast
+    per call, so sampled tokens agree across the ranks and equal one process's after the same seed."""
+    generate = model.generate.__func__
+
+    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         own = share_leader_state(mesh)
         try:
-            return fn(*args, **kwargs)
+            return generate(self, *args, **kwargs)
         finally:
             restore_state(mesh, own)
 
-    return wrapped
+    # A bound method, not a closure over ``model``: copy.deepcopy (a reference model) rebinds it to the copy.
+    functools.update_wrapper(wrapped, generate)
+    model.generate = types.MethodType(wrapped, model)
