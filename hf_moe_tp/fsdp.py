@@ -1,6 +1,8 @@
 """FSDP2 over the data-parallel dimensions of a tensor-parallel model: torchtitan's recipe on our layouts.
 
-``fully_shard`` goes on every decoder layer, then on the root (embeddings, final norm, ``lm_head``), over the
+``fully_shard`` goes on every decoder layer, the input embedding and the output projection (each its own unit;
+the last layer and the output projection kept gathered from forward to backward, which needs them first), then
+on the root (final norm and the rest), over the
 data-parallel mesh: one dimension (FSDP) or two (``dp_replicate``, ``dp_shard``: HSDP). The parameters are
 already DTensors on the tensor-parallel mesh, so FSDP2 makes them DTensors on the parent mesh (data-parallel
 dims first, then ``tp``): every parameter lives on that one mesh, and one ``clip_grad_norm_`` call covers all.
@@ -57,14 +59,32 @@ def shard_data_parallel(
         offload_policy = None
     kwargs = {"mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload_policy or OffloadPolicy()}
     ignored = _expert_params_over_batches(model, dp_mesh)
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # the last layer is the first that backward needs: resharding it after forward would only re-gather it
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward and i < len(layers) - 1,
+                    ignored_params=ignored or None, **kwargs)
+    for module, reshard in _embedding_units(model):
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard and reshard_after_forward,
                     ignored_params=ignored or None, **kwargs)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None,
                 **kwargs)
     model._is_fsdp_managed_module = True  # transformers' generate then keeps the data-parallel ranks in step
     model.hf_moe_tp_dp_mesh = dp_mesh
     return model
+
+
+def _embedding_units(model: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """The input and output embeddings as units of their own (torchtitan's grouping), unless tied (one
+    parameter, so both stay in the root): the input's is gathered for the first op of forward and again for
+    the last of backward; the output projection, last in forward and first in backward, is kept gathered
+    between the two (``False``: no reshard after forward)."""
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    units = [(m, reshard) for m, reshard in ((inputs, True), (outputs, False)) if isinstance(m, nn.Module)]
+    if len(units) == 2 and any(p is q for p in inputs.parameters() for q in outputs.parameters()):
+        return []
+    return units
 
 
 def _expert_params_over_batches(model: nn.Module, dp_mesh: DeviceMesh) -> set[nn.Parameter]:
