@@ -112,6 +112,11 @@ def from_pretrained(
         if layout.dp is not None and experts_column_major:
             raise ValueError("experts_column_major=True with FSDP2 (fsdp_size, dp_replicate_size or a data-parallel "
                              "mesh dimension): FSDP2 shards only contiguous (row-major) parameters")
+        if layout.dp is not None and layout.ep is not None and (_casts(mp_policy) or _offloads(offload_policy)):
+            # FSDP2 leaves experts that already sit over the data-parallel ranks to themselves (fsdp.py)
+            raise ValueError(f"mp_policy={mp_policy} / offload_policy={offload_policy} with experts split over the "
+                             "data-parallel ranks ('ep' beside 'tp', FSDP over ep): FSDP2 does not manage those "
+                             "experts, so the policy would not reach them; load with dtype= instead, without them")
         if layout.dp is None and (mp_policy is not None or offload_policy is not None):
             raise ValueError("mp_policy and offload_policy are FSDP2's: they need fsdp_size, dp_replicate_size or "
                              "a device_mesh with a data-parallel dimension")
@@ -179,6 +184,15 @@ def _plan(model: nn.Module, plan, mesh: DeviceMesh, ep_size: int | None = None, 
     if isinstance(plan, dict):
         return plans.resolve_plan(plan)
     raise ValueError(f"tp_plan must be 'auto', None or a dict of module names to styles, got {plan!r}")
+
+
+def _casts(policy: MixedPrecisionPolicy | None) -> bool:
+    return policy is not None and any(d is not None for d in (policy.param_dtype, policy.reduce_dtype,
+                                                                policy.output_dtype))
+
+
+def _offloads(policy: OffloadPolicy | None) -> bool:
+    return policy is not None and type(policy) is not OffloadPolicy
 
 
 def _buffers_to(model: nn.Module, device: torch.device) -> None:

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 import hf_moe_tp
+from hf_moe_tp.pretrained import LoadError
 
 STEPS = 3
 TOL = 1e-5
@@ -304,6 +305,24 @@ def test_unsupported_distributed_config_refused(ranks, checkpoints, fields, name
     before anything is read."""
     for message in ranks(4).run(_refused, checkpoints("mixtral"), fields):
         assert message is not None and named in message, message
+
+
+def _policy_refused(path: str, layout: str) -> str | None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    try:
+        layout_model(path, {**LAYOUTS[layout], "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)})
+    except LoadError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("layout", ["ep2_tp2_fsdp_over_ep", "ep4_fsdp4"])
+def test_mixed_precision_refused_where_fsdp_leaves_the_experts(ranks, checkpoints, layout):
+    """FSDP over the ep ranks leaves the experts (already split over those ranks) unmanaged: a casting
+    mp_policy would silently skip them, so it is refused by name on every rank."""
+    for message in ranks(4).run(_policy_refused, checkpoints("mixtral"), layout):
+        assert message is not None and "mp_policy=" in message and "would not reach them" in message, message
 
 
 def _save_from_layout(path: str, kwargs: dict, out: str) -> dict:
