@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
+from .hf_arguments import HUB_OPTIONS
 from .plans import STYLE_NAMES
 
 _original = None  # PreTrainedModel.from_pretrained's function while installed
@@ -65,15 +66,20 @@ def _wrap(original):
 
         config = kwargs.get("config")
         if not hasattr(config, "model_type"):
-            config = AutoConfig.from_pretrained(pretrained_model_name_or_path)
+            hub = {k: kwargs[k] for k in (*HUB_OPTIONS, "subfolder") if k in kwargs}
+            try:  # native classes only, as hf_moe_tp loads them; anything else stays transformers' business
+                config = AutoConfig.from_pretrained(config or pretrained_model_name_or_path, **hub)
+            except (ValueError, KeyError):
+                return original(cls, pretrained_model_name_or_path, *args, **kwargs)
         if not is_moe(config):
             return original(cls, pretrained_model_name_or_path, *args, **kwargs)
         from .pretrained import from_pretrained as ours
 
-        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        rest = {k: v for k, v in kwargs.items() if k not in ("tp_plan", "distributed_config", "device_mesh")}
         layout = distributed_kwargs(kwargs.get("distributed_config"))
+        # everything else (dtype, attn_implementation, config, hub options, refusals) as hf_moe_tp's own call
         return ours(pretrained_model_name_or_path, tp_plan=plan, device_mesh=kwargs.get("device_mesh"),
-                    dtype=None if dtype == "auto" else dtype, model_class=cls, **layout)
+                    model_class=cls, **layout, **rest)
 
     return from_pretrained
 

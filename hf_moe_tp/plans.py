@@ -122,7 +122,7 @@ def sink_entries(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, 
 
 
 def meta_model(config: PretrainedConfig, model_class: type | None = None, dtype: torch.dtype | None = None,
-               experts_column_major: bool = False) -> nn.Module:
+               experts_column_major: bool = False, attn_implementation: str | None = None) -> nn.Module:
     """The model ``config`` describes, on the meta device (buffers real), with GroupedExperts swapped in.
 
     ``experts_column_major``: store expert weights in the checkpoint's (out, in) orientation where it has one
@@ -136,6 +136,8 @@ def meta_model(config: PretrainedConfig, model_class: type | None = None, dtype:
     cls = model_class or AutoModelForCausalLM
     with init_empty_weights(include_buffers=False):
         kwargs = {"dtype": dtype} if dtype is not None else {}
+        if attn_implementation is not None:  # validated by transformers as for its own from_pretrained
+            kwargs["attn_implementation"] = attn_implementation
         model = cls.from_config(config, **kwargs) if hasattr(cls, "from_config") else cls._from_config(config, **kwargs)
     model.tie_weights()  # transformers ties after loading; the plan needs the ties now
     adapter_for(model).swap_experts(model)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -11,12 +11,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
-from transformers import AutoConfig, GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 
 from . import plans
 from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
 from .fsdp import shard_data_parallel
+from .hf_arguments import refuse, resolve
 from .input_check import check_inputs_on, check_mode
 from .loading import load_checkpoint
 from .loss import causal_lm_loss, gather_logits_unless_training
@@ -31,7 +32,7 @@ def from_pretrained(
     tp_plan: str | dict[str, ParallelStyle] | None = "auto",
     device_mesh: DeviceMesh | None = None,
     ep_size: int | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     model_class: type | None = None,
     threads: int | None = None,
     record_reads: bool = False,
@@ -44,6 +45,7 @@ def from_pretrained(
     check_inputs: str | None = None,
     experts_column_major: bool = False,
     timeout: float | None = None,
+    **hf_kwargs: Any,
 ) -> PreTrainedModel:
     """Load a Hugging Face MoE model tensor-parallel over ``device_mesh`` (or all ranks).
 
@@ -92,9 +94,17 @@ def from_pretrained(
     collective fails raises :class:`~hf_moe_tp.timeouts.CollectiveFailure` naming the ranks that did not
     report the failure.
 
+    ``hf_kwargs``: transformers' own ``from_pretrained`` arguments, honoured as there or refused by name
+    (:mod:`hf_moe_tp.hf_arguments`, the README's table): ``dtype`` as a name or ``"auto"``,
+    ``attn_implementation``, ``config`` (object or path), config attributes as overrides, ``revision``,
+    ``cache_dir``, ``token``, ``local_files_only``, ``subfolder``, ``trust_remote_code`` (native classes only),
+    ``generation_config``, ``use_safetensors``; ``device_map``, ``quantization_config``, ``load_in_8bit`` and
+    the like are refused, naming the argument.
+
     Failures never leave a rank waiting: whatever fails on any rank (a bad file, a read error on one rank, a
     mesh that leaves this rank out), every rank raises :class:`LoadError` naming each failed rank's error.
     """
+    refuse(hf_kwargs)  # the same arguments on every rank: the same refusal on every rank, before any read
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     started = device_mesh is None and init_process_group(timeout or DEFAULT_TIMEOUT_S)
@@ -103,7 +113,8 @@ def from_pretrained(
     error: BaseException | None = None
     model = None
     try:
-        path = _local_dir(path)
+        args = resolve(path, dtype, **hf_kwargs)
+        path, config, dtype = args.path, args.config, args.dtype
         check_mode(check_inputs)
         layout = resolve_layout(device_mesh, ep_size, fsdp_size, dp_replicate_size)
         mesh, ep_mesh = layout.tp, layout.ep
@@ -120,8 +131,8 @@ def from_pretrained(
         if layout.dp is None and (mp_policy is not None or offload_policy is not None):
             raise ValueError("mp_policy and offload_policy are FSDP2's: they need fsdp_size, dp_replicate_size or "
                              "a device_mesh with a data-parallel dimension")
-        config = AutoConfig.from_pretrained(path)
-        model = plans.meta_model(config, model_class, dtype, experts_column_major=experts_column_major)
+        model = plans.meta_model(config, model_class, dtype, experts_column_major=experts_column_major,
+                                 attn_implementation=args.attn_implementation)
         _buffers_to(model, mesh_device(mesh))  # the loader allocates parameters where the buffers are
         plan = _plan(model, tp_plan, mesh, ep_size=ep_size or (ep_mesh["ep"].size() if ep_mesh else None),
                      loss_parallel=loss_parallel)
@@ -137,8 +148,11 @@ def from_pretrained(
         if loss_parallel:
             model.loss_function = causal_lm_loss
             gather_logits_unless_training(model)
-        model.hf_moe_tp_load = load_checkpoint(model, path, threads=threads, record_reads=record_reads)
-        if (path / "generation_config.json").is_file():
+        model.hf_moe_tp_load = load_checkpoint(model, path, threads=threads, record_reads=record_reads,
+                                               strict=args.strict)
+        if args.generation_config is not None:
+            model.generation_config = args.generation_config
+        elif (path / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(path)
         if layout.dp is not None:
             shard_data_parallel(model, layout.dp, mp_policy=mp_policy, offload_policy=offload_policy)
@@ -200,12 +214,3 @@ def _buffers_to(model: nn.Module, device: torch.device) -> None:
         for name, b in module._buffers.items():
             if b is not None and b.device != device:
                 module._buffers[name] = b.to(device)
-
-
-def _local_dir(path: str | os.PathLike) -> Path:
-    p = Path(path)
-    if p.is_dir():
-        return p
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors"]))
