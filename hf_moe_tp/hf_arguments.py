@@ -130,15 +130,34 @@ def local_dir(path: str | os.PathLike, subfolder: str, hub: dict[str, Any]) -> P
 
 def native_config(path: Path, trust_remote_code: bool | None) -> PretrainedConfig:
     """The config through transformers' native classes, whatever ``trust_remote_code`` says: hf_moe_tp's
-    adapters know those, never a repo's own code. A ``model_type`` transformers does not have is refused."""
+    adapters know those, never a repository's own code. A ``model_type`` transformers lacks is read with the
+    native config class its ``architectures`` or ``auto_map`` name (Kimi K2's ``kimi_k2`` is a
+    ``DeepseekV3ForCausalLM`` with a ``DeepseekV3Config``); with neither it is refused, naming it."""
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (ValueError, KeyError) as e:
         config_file = path / "config.json"
-        model_type = json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else None
+        raw = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        native = _native_config_class(raw)
+        if native is not None:
+            config = native.from_pretrained(path)
+            config.model_type = native.model_type  # the adapters and checkpoint conversions key on it
+            return config
         remote = " with trust_remote_code" if trust_remote_code else ""
-        raise ValueError(f"{config_file}: model_type {model_type!r} is not a transformers class; hf_moe_tp loads "
-                         f"native classes only, not a repository's own code{remote}") from e
+        raise ValueError(f"{config_file}: model_type {raw.get('model_type')!r} is not a transformers class, nor do "
+                         f"its architectures {raw.get('architectures')} or auto_map name one; hf_moe_tp loads native "
+                         f"classes only, not a repository's own code{remote}") from e
+
+
+def _native_config_class(raw: dict[str, Any]) -> type[PretrainedConfig] | None:
+    import transformers
+
+    names = [getattr(getattr(transformers, a, None), "config_class", None) for a in raw.get("architectures") or []]
+    auto = (raw.get("auto_map") or {}).get("AutoConfig")
+    if isinstance(auto, str):
+        names.append(getattr(transformers, auto.rpartition(".")[2], None))
+    found = [c for c in names if isinstance(c, type) and issubclass(c, PretrainedConfig)]
+    return found[0] if found else None
 
 
 def torch_dtype(dtype: Any, config: PretrainedConfig, path: Path) -> torch.dtype | None:

@@ -136,8 +136,9 @@ def _unknown_type(path: str) -> str:
 
 
 def test_trust_remote_code_loads_the_native_class(ranks, mixtral, tmp_path):
-    """A checkpoint whose config names remote code (auto_map) for a model_type transformers has loads through
-    the native class; a model_type transformers does not have is refused, naming it."""
+    """Remote code is never run: a config naming remote code (auto_map) for a model_type transformers has loads
+    through the native class; a derivative's own model_type (Kimi K2's ``kimi_k2``, a DeepSeek-V3) loads through
+    the native class its architectures name; a model_type with neither is refused, naming it."""
     remote = tmp_path / "remote"
     shutil.copytree(mixtral, remote)
     config = json.loads((remote / "config.json").read_text())
@@ -146,10 +147,20 @@ def test_trust_remote_code_loads_the_native_class(ranks, mixtral, tmp_path):
     expected = _reference(mixtral)
     for r in ranks(2).run(_remote_code, str(remote)):
         assert (r["native"] - expected).abs().max() <= 1e-5
-    config["model_type"] = "my_private_moe"
+    config.update(model_type="my_private_moe", architectures=["MyPrivateMoeForCausalLM"])
     (remote / "config.json").write_text(json.dumps(config))
     for message in ranks(2).run(_unknown_type, str(remote)):
         assert "model_type 'my_private_moe' is not a transformers class" in message, message
+    deepseek = save_family("deepseek_v3", tmp_path)
+    kimi = tmp_path / "kimi"
+    shutil.copytree(deepseek, kimi)
+    config = json.loads((kimi / "config.json").read_text())
+    config.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                                                   "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    (kimi / "config.json").write_text(json.dumps(config))
+    expected = _reference(str(deepseek))
+    for r in ranks(2).run(_remote_code, str(kimi)):
+        assert r["model_type"] == "kimi_k2" and (r["native"] - expected).abs().max() <= 1e-5
 
 
 REFUSED = [
