@@ -27,6 +27,7 @@ from .checkpoint import Checkpoint
 @dataclass
 class Inspection:
     family: str
+    model_class: str
     adapter: str
     expert_modules: int
     expert_format: str
@@ -63,6 +64,7 @@ def inspect_checkpoint(path: str | Path, tp: int) -> Inspection:
     per_expert = any(".experts.0." in k for k in ckpt.keys())
     return Inspection(
         family=config.model_type,
+        model_class=type(model).__name__,
         adapter=adapter_for(model).name,
         expert_modules=len(experts),
         expert_format="per-expert keys" if per_expert else "packed 3-D tensors",
@@ -113,7 +115,8 @@ def style_label(style) -> str:
 
 
 def print_inspection(report: Inspection, tp: int) -> None:
-    print(f"family: {report.family}   adapter: {report.adapter}   expert modules: {report.expert_modules} "
+    print(f"family: {report.family}   class: {report.model_class}   adapter: {report.adapter}   "
+          f"expert modules: {report.expert_modules} "
           f"({report.expert_format} on disk)")
     print(f"plan at TP={tp}:")
     width = max(len(k) for k in report.plan) if report.plan else 0

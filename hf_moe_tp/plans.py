@@ -133,7 +133,7 @@ def meta_model(config: PretrainedConfig, model_class: type | None = None, dtype:
 
     from model_patches import adapter_for
 
-    cls = model_class or AutoModelForCausalLM
+    cls = model_class or declared_class(config) or AutoModelForCausalLM
     with init_empty_weights(include_buffers=False):
         kwargs = {"dtype": dtype} if dtype is not None else {}
         if attn_implementation is not None:  # validated by transformers as for its own from_pretrained
@@ -149,6 +149,27 @@ def meta_model(config: PretrainedConfig, model_class: type | None = None, dtype:
             if isinstance(module, GroupedExperts) and layout is not None and not layout.transposed:
                 module.store_column_major()
     return model
+
+
+def declared_class(config: PretrainedConfig) -> type | None:
+    """The model class the checkpoint declares (``config.architectures``), where transformers registers it for
+    this config in one of its Auto mappings (a vision-language checkpoint's ``...ForConditionalGeneration``,
+    say); ``None`` when it declares none that maps."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    registered = {name for attr in dir(modeling_auto) if attr.startswith("MODEL_") and attr.endswith("_MAPPING_NAMES")
+                  for name in _names(getattr(modeling_auto, attr).get(config.model_type))}
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        config_class = getattr(cls, "config_class", None)
+        if name in registered and isinstance(config_class, type) and isinstance(config, config_class):
+            return cls
+    return None
+
+
+def _names(entry) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
 def resolve_plan(plan: dict[str, ParallelStyle | str]) -> dict[str, ParallelStyle]:
