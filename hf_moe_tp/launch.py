@@ -17,6 +17,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import cloudpickle
 import torch.multiprocessing as mp
 
 # After one rank fails, how long the others get to finish or fail before they are taken as hung.
@@ -37,10 +38,13 @@ class RankError(RuntimeError):
 class RankPool:
     """``world_size`` worker processes joined in one gloo process group, running functions on request.
 
+    ``fn`` may be any function: a module's travels by reference, one defined in a notebook, a script's
+    ``__main__`` or a lambda by value (cloudpickle), with whatever it closes over.
+
     After one rank fails or dies, the others get ``grace`` seconds to finish before they are taken as hung.
 
-    ``fn`` passed to :meth:`run` must be picklable (a module-level function); it runs on every rank with
-    ``torch.distributed`` initialised, and its return values come back in rank order.
+    ``fn`` runs on every rank with ``torch.distributed`` initialised, and its return values come back in
+    rank order.
     """
 
     def __init__(self, world_size: int, *, timeout: float = 120.0, threads_per_rank: int | None = None,
@@ -60,7 +64,7 @@ class RankPool:
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order or raise ``RankError``."""
-        payload = pickle.dumps((fn, args, kwargs))
+        payload = cloudpickle.dumps((fn, args, kwargs))  # by value where pickle would name an unimportable one
         self._start()
         self._task_id += 1
         for q in self._tasks:

@@ -22,3 +22,25 @@ def test_quickstart_notebook(tmp_path, monkeypatch):
     images = [out for cell in nb.cells for out in cell.get("outputs", []) if "image/png" in out.get("data", {})]
     assert len(images) == 1  # the memory plot
     assert (tmp_path / "memory.png").is_file() and os.path.getsize(tmp_path / "memory.png") > 1000
+
+
+NOTEBOOK_FUNCTIONS = '''
+from hf_moe_tp.launch import run_on_ranks
+
+def my_step(x):
+    import torch.distributed as dist
+    return dist.get_rank() * x
+
+print("step", run_on_ranks(my_step, 2, 10))
+offset = 5
+print("lambda", run_on_ranks(lambda: __import__("torch.distributed").distributed.get_rank() + offset, 2))
+'''
+
+
+def test_functions_defined_in_a_notebook_run_on_the_ranks(tmp_path):
+    """A function and a lambda defined in a notebook cell (not importable by the spawned ranks) travel by value:
+    the issue's failing cell now prints each rank's result."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(NOTEBOOK_FUNCTIONS)])
+    NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    text = "".join(out.get("text", "") for out in nb.cells[0].outputs)
+    assert "step [0, 10]" in text and "lambda [5, 6]" in text, nb.cells[0].outputs
