@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from families import save_family
@@ -138,3 +141,18 @@ def test_accelerate_launch(mixtral):
     ref = AutoModelForCausalLM.from_pretrained(mixtral, experts_implementation="eager").eval()
     expected = ref.generate(torch.arange(1, 9).unsqueeze(0), max_new_tokens=16, do_sample=False)[0].tolist()
     assert line == f"TOKENS 2 {expected}"
+
+
+def test_accelerate_notebook_launcher_on_cpu(tmp_path):
+    """accelerate's notebook_launcher(fn, num_processes=2) on CPU: hf_moe_tp.from_pretrained inside fn joins the
+    2-process group it starts and loads at TP=2, logits within 1e-5 of one process on both ranks."""
+    import subprocess
+    import sys
+
+    from families import save_family
+
+    path = save_family("mixtral", tmp_path)
+    script = Path(__file__).with_name("notebook_launcher_load.py")
+    done = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=180)
+    found = sorted(re.findall(r"rank (\d) of 2, tp 2: (MATCH|MISMATCH)", done.stdout))  # forked: lines interleave
+    assert done.returncode == 0 and found == [("0", "MATCH"), ("1", "MATCH")], done.stdout + done.stderr[-2000:]
