@@ -87,7 +87,8 @@ def resolve(path: str | os.PathLike, dtype: Any = None, **kwargs: Any) -> Resolv
     for k in (*REFUSED, *NO_OPS, "use_safetensors", "experts_implementation"):
         kwargs.pop(k, None)
     if "torch_dtype" in kwargs:  # transformers' older name
-        dtype = kwargs.pop("torch_dtype") if dtype is None else dtype
+        torch_dtype_ = kwargs.pop("torch_dtype")
+        dtype = torch_dtype_ if dtype in (None, "auto") else dtype
     hub = {k: kwargs.pop(k) for k in HUB_OPTIONS if k in kwargs}
     subfolder = kwargs.pop("subfolder", "") or ""
     trust_remote_code = kwargs.pop("trust_remote_code", None)

@@ -32,7 +32,7 @@ def from_pretrained(
     tp_plan: str | dict[str, ParallelStyle] | None = "auto",
     device_mesh: DeviceMesh | None = None,
     ep_size: int | None = None,
-    dtype: torch.dtype | str | None = None,
+    dtype: torch.dtype | str | None = "auto",
     model_class: type | None = None,
     threads: int | None = None,
     record_reads: bool = False,

@@ -41,17 +41,21 @@ def _dtypes(path: str, bf16_path: str) -> dict:
     out["auto fp32 checkpoint"] = str(hf_moe_tp.from_pretrained(path, dtype="auto").lm_head.weight.dtype)
     out["auto bf16 checkpoint"] = str(hf_moe_tp.from_pretrained(bf16_path, dtype="auto").lm_head.weight.dtype)
     out["torch_dtype alias"] = str(hf_moe_tp.from_pretrained(path, torch_dtype="bfloat16").lm_head.weight.dtype)
+    out["default bf16 checkpoint"] = str(hf_moe_tp.from_pretrained(bf16_path).lm_head.weight.dtype)
+    out["None bf16 checkpoint"] = str(hf_moe_tp.from_pretrained(bf16_path, dtype=None).lm_head.weight.dtype)
     return out
 
 
 def test_dtype_names_and_auto(ranks, mixtral, tmp_path):
-    """dtype as a torch dtype, its name or 'auto' (the checkpoint's config dtype), and torch_dtype."""
+    """dtype as a torch dtype, its name or 'auto' (the checkpoint's config dtype; the default, as in
+    transformers 5), and torch_dtype; None is what transformers' from_config makes of the config (its dtype)."""
     bf16 = tmp_path / "bf16"
     AutoModelForCausalLM.from_pretrained(mixtral, dtype=torch.bfloat16).save_pretrained(bf16)
     for r in ranks(2).run(_dtypes, mixtral, str(bf16)):
         assert r == {"name": "torch.bfloat16", "torch-prefixed": "torch.float16", "object": "torch.bfloat16",
                      "auto fp32 checkpoint": "torch.float32", "auto bf16 checkpoint": "torch.bfloat16",
-                     "torch_dtype alias": "torch.bfloat16"}, r
+                     "torch_dtype alias": "torch.bfloat16", "default bf16 checkpoint": "torch.bfloat16",
+                     "None bf16 checkpoint": "torch.bfloat16"}, r
 
 
 def _counting_attention(path: str, installed: bool) -> dict:
