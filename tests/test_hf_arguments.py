@@ -179,7 +179,31 @@ REFUSED = [
     (dict(tp_size=2), "tp_size=2"),
     (dict(variant="fp16"), "variant='fp16'"),
     (dict(gguf_file="model.gguf"), "gguf_file="),
+    (dict(offload_state_dict=True), "offload_state_dict=True"),
+    (dict(offload_buffers=True), "offload_buffers=True"),
+    (dict(from_tf=True), "from_tf=True"),
+    (dict(from_flax=True), "from_flax=True"),
+    (dict(state_dict={"x": 1}), "state_dict="),
+    (dict(key_mapping={"a": "b"}), "key_mapping="),
+    (dict(adapter_name="lora"), "adapter_name='lora'"),
+    (dict(adapter_kwargs={"r": 8}), "adapter_kwargs="),
+    (dict(use_kernels=True), "use_kernels=True"),
+    (dict(output_loading_info=True), "output_loading_info=True"),
 ]
+
+
+def _accepted(path: str) -> torch.Tensor:
+    return _logits(hf_moe_tp.from_pretrained(path, low_cpu_mem_usage=True, weights_only=True, token="unused",
+                                             force_download=False, proxies=None, experts_implementation="grouped_mm",
+                                             use_safetensors=True))
+
+
+def test_arguments_without_effect_are_accepted(ranks, mixtral):
+    """What a TP load always does (low_cpu_mem_usage, weights_only, use_safetensors=True, grouped_mm experts) and
+    hub options on a local directory: accepted, the same logits."""
+    expected = _reference(mixtral)
+    for logits in ranks(2).run(_accepted, mixtral):
+        assert (logits - expected).abs().max() <= 1e-5
 
 
 def _refusal(path: str, kwargs: dict, installed: bool) -> tuple[str, str]:
