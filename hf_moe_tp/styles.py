@@ -12,6 +12,7 @@ Communication, all of it explicit here:
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -266,11 +267,26 @@ def local_during_forward(module: nn.Module, slots: list[tuple[dict, str]],
     name) appears as ``to_local(tensor)``, a plain tensor, and is put back afterwards (also when the forward
     raises). Gradients reach the DTensors through ``to_local``. Slots already plain (an enclosing swap did
     it) are left alone."""
+    # The slots are kept as (submodule path, table, name) and looked up from the hooked module, so a deep copy of
+    # the model (whose hooks are these same functions) swaps its own parameters, not the original's.
+    where = {}
+    for path, m in module.named_modules(remove_duplicate=False):
+        where.setdefault(id(m._parameters), (path, "_parameters"))
+        where.setdefault(id(m._buffers), (path, "_buffers"))
+    refs = [(*where[id(table)], name) for table, name in slots]
+    resolved: dict[int, tuple[weakref.ref, list[tuple[dict, str]]]] = {}
     saved: list[list[tuple[dict, str, DTensor]]] = []
+
+    def tables(mod: nn.Module) -> list[tuple[dict, str]]:
+        hit = resolved.get(id(mod))
+        if hit is None or hit[0]() is not mod:
+            hit = (weakref.ref(mod), [(getattr(mod.get_submodule(p), attr), n) for p, attr, n in refs])
+            resolved[id(mod)] = hit
+        return hit[1]
 
     def use_local(mod: nn.Module, args: tuple) -> None:
         swapped = []
-        for table, name in slots:
+        for table, name in tables(mod):
             t = table.get(name)
             if isinstance(t, DTensor):
                 table[name] = to_local(t)

@@ -156,3 +156,40 @@ def test_accelerate_notebook_launcher_on_cpu(tmp_path):
     done = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=180)
     found = sorted(re.findall(r"rank (\d) of 2, tp 2: (MATCH|MISMATCH)", done.stdout))  # forked: lines interleave
     assert done.returncode == 0 and found == [("0", "MATCH"), ("1", "MATCH")], done.stdout + done.stderr[-2000:]
+
+
+def _deepcopy_twin(path: str) -> dict:
+    import copy
+
+    import torch.distributed as dist
+
+    model = hf_moe_tp.from_pretrained(path)
+    twin = copy.deepcopy(model)  # a reference model, as trl's create_reference_model makes one
+    ids = torch.arange(1, 13).view(2, 6)
+    with torch.no_grad():
+        before = model(ids).logits
+        same = (twin(ids).logits - before).abs().max().item()
+    draws = []
+    for m in (model, twin):
+        torch.manual_seed(5 + dist.get_rank())
+        draws.append(m.generate(ids[:1], max_new_tokens=5, do_sample=True).tolist())
+    twin.train()
+    twin(ids, labels=ids).loss.backward()
+    with torch.no_grad():
+        for p in twin.parameters():
+            if p.grad is not None:
+                p -= 0.5 * p.grad
+        untouched = (model(ids).logits - before).abs().max().item()
+        moved = (twin.eval()(ids).logits - before).abs().max().item()
+    return {"same": same, "draws_agree": draws[0] == draws[1], "untouched": untouched, "moved": moved}
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_deepcopy_is_an_independent_model(ranks, tmp_path, family):
+    """copy.deepcopy of a loaded model computes the same logits and samples, and trains on its own: the
+    styles' hooks find the copy's parameters (they used to swap the original's: a DTensor/Tensor mix error)."""
+    from families import save_family
+
+    path = save_family(family, tmp_path)
+    for r in ranks(2).run(_deepcopy_twin, str(path)):
+        assert r["same"] == 0.0 and r["draws_agree"] and r["untouched"] == 0.0 and r["moved"] > 1e-3, r
