@@ -13,6 +13,26 @@ from safetensors import safe_open
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
+# torch dtype -> safetensors dtype name, in safetensors' Dtype enum order (files hold larger dtypes first).
+ST_DTYPES: dict[torch.dtype, str] = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.int16: "I16",
+    torch.uint16: "U16",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.uint32: "U32",
+    torch.float32: "F32",
+    torch.complex64: "C64",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.uint64: "U64",
+}
+
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file and key at fault."""

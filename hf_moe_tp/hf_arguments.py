@@ -82,8 +82,8 @@ def refuse(kwargs: dict[str, Any]) -> None:
 
 
 def resolve(path: str | os.PathLike, dtype: Any = None, **kwargs: Any) -> Resolved:
-    """Apply transformers' ``from_pretrained`` keyword arguments (after :func:`refuse`; the README's table)."""
-    refuse(kwargs)
+    """Apply transformers' ``from_pretrained`` keyword arguments, which :func:`refuse` has passed (the README's
+    table)."""
     for k in (*REFUSED, *NO_OPS, "use_safetensors", "experts_implementation"):
         kwargs.pop(k, None)
     if "torch_dtype" in kwargs:  # transformers' older name
@@ -177,14 +177,8 @@ def torch_dtype(dtype: Any, config: PretrainedConfig, path: Path) -> torch.dtype
 
 
 def _first_float_dtype(path: Path) -> torch.dtype | None:
-    from safetensors import safe_open
+    from .checkpoint import ST_DTYPES, Checkpoint
 
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            for key in f.keys():
-                dt = f.get_slice(key).get_dtype()
-                value = getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16",
-                                        "F64": "float64"}.get(dt, ""), None)
-                if isinstance(value, torch.dtype):
-                    return value
-    return None
+    # compute dtypes only: an 8-bit float tensor (a quantized checkpoint's) says nothing about the model's dtype
+    by_name = {name: dtype for dtype, name in ST_DTYPES.items() if dtype.is_floating_point and dtype.itemsize >= 2}
+    return next((by_name[t.dtype] for t in Checkpoint(path).tensors.values() if t.dtype in by_name), None)

@@ -38,13 +38,11 @@ class RankError(RuntimeError):
 class RankPool:
     """``world_size`` worker processes joined in one gloo process group, running functions on request.
 
-    ``fn`` may be any function: a module's travels by reference, one defined in a notebook, a script's
-    ``__main__`` or a lambda by value (cloudpickle), with whatever it closes over.
+    ``fn`` runs on every rank with ``torch.distributed`` initialised, and its return values come back in
+    rank order. It may be any function: a module's travels by reference, one defined in a notebook, a
+    script's ``__main__`` or a lambda by value (cloudpickle), with whatever it closes over.
 
     After one rank fails or dies, the others get ``grace`` seconds to finish before they are taken as hung.
-
-    ``fn`` runs on every rank with ``torch.distributed`` initialised, and its return values come back in
-    rank order.
     """
 
     def __init__(self, world_size: int, *, timeout: float = 120.0, threads_per_rank: int | None = None,

@@ -44,7 +44,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import PrefixChange, revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-from .checkpoint import INDEX_FILE, SINGLE_FILE
+from .checkpoint import INDEX_FILE, SINGLE_FILE, ST_DTYPES
 from .conversions import model_keys, parameter_sources
 from .experts import GroupedExperts
 from .sources import Axis, Box, Request, Source
@@ -52,26 +52,7 @@ from .sources import Axis, Box, Request, Source
 FILENAME_PATTERN = "model{suffix}.safetensors"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
-# torch dtype -> safetensors dtype name, in safetensors' Dtype enum order (files hold larger dtypes first).
-_ST_DTYPES: dict[torch.dtype, str] = {
-    torch.bool: "BOOL",
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.int16: "I16",
-    torch.uint16: "U16",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int32: "I32",
-    torch.uint32: "U32",
-    torch.float32: "F32",
-    torch.complex64: "C64",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.uint64: "U64",
-}
-_ST_ORDER = {name: i for i, name in enumerate(_ST_DTYPES.values())}
+_ST_ORDER = {name: i for i, name in enumerate(ST_DTYPES.values())}
 
 
 class SaveError(RuntimeError):
@@ -253,7 +234,7 @@ def _check_entry(e: _Entry) -> None:
         raise SaveError(f"checkpoint tensor {e.key} is filled from parameters of several dtypes "
                         f"{sorted(map(str, dtypes))}")
     e.dtype = dtypes.pop()
-    if e.dtype not in _ST_DTYPES:
+    if e.dtype not in ST_DTYPES:
         raise SaveError(f"checkpoint tensor {e.key}: dtype {e.dtype} has no safetensors name")
     filled = 0
     for p in e.pieces:
@@ -283,7 +264,7 @@ def _write_file(entries: dict[str, _Entry], keys: list[str], path: Path | None, 
 
     After a write error rank 0 keeps gathering, so no rank is left waiting in a collective.
     """
-    order = sorted(keys, key=lambda k: (-_ST_ORDER[_ST_DTYPES[entries[k].dtype]], k))  # safetensors' order
+    order = sorted(keys, key=lambda k: (-_ST_ORDER[ST_DTYPES[entries[k].dtype]], k))  # safetensors' order
     error: BaseException | None = None
     file = None
     if writer:
@@ -472,7 +453,7 @@ class SafetensorsWriter:
         offset = 0
         for key, shape, dtype in tensors:
             nbytes = math.prod(shape) * dtype.itemsize
-            header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            header[key] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             self._expected.append((key, nbytes))
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()

@@ -33,7 +33,7 @@ def _reference(path: str, **kwargs) -> torch.Tensor:
     return _logits(model)
 
 
-def _dtypes(path: str, bf16_path: str) -> dict:
+def _dtypes(path: str, bf16_path: str, undeclared_path: str) -> dict:
     out = {}
     for label, dtype in (("name", "bfloat16"), ("torch-prefixed", "torch.float16"), ("object", torch.bfloat16)):
         model = hf_moe_tp.from_pretrained(path, dtype=dtype)
@@ -43,19 +43,25 @@ def _dtypes(path: str, bf16_path: str) -> dict:
     out["torch_dtype alias"] = str(hf_moe_tp.from_pretrained(path, torch_dtype="bfloat16").lm_head.weight.dtype)
     out["default bf16 checkpoint"] = str(hf_moe_tp.from_pretrained(bf16_path).lm_head.weight.dtype)
     out["None bf16 checkpoint"] = str(hf_moe_tp.from_pretrained(bf16_path, dtype=None).lm_head.weight.dtype)
+    out["auto, no config dtype"] = str(hf_moe_tp.from_pretrained(undeclared_path).lm_head.weight.dtype)
     return out
 
 
 def test_dtype_names_and_auto(ranks, mixtral, tmp_path):
-    """dtype as a torch dtype, its name or 'auto' (the checkpoint's config dtype; the default, as in
-    transformers 5), and torch_dtype; None is what transformers' from_config makes of the config (its dtype)."""
+    """dtype as a torch dtype, its name or 'auto' (the checkpoint's config dtype, else its weights'; the default,
+    as in transformers 5), and torch_dtype; None is what transformers' from_config makes of the config (its dtype)."""
     bf16 = tmp_path / "bf16"
     AutoModelForCausalLM.from_pretrained(mixtral, dtype=torch.bfloat16).save_pretrained(bf16)
-    for r in ranks(2).run(_dtypes, mixtral, str(bf16)):
+    undeclared = tmp_path / "undeclared"  # bf16 weights, no dtype in config.json: the weights' dtype
+    shutil.copytree(bf16, undeclared)
+    config = json.loads((undeclared / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (undeclared / "config.json").write_text(json.dumps(config))
+    for r in ranks(2).run(_dtypes, mixtral, str(bf16), str(undeclared)):
         assert r == {"name": "torch.bfloat16", "torch-prefixed": "torch.float16", "object": "torch.bfloat16",
                      "auto fp32 checkpoint": "torch.float32", "auto bf16 checkpoint": "torch.bfloat16",
                      "torch_dtype alias": "torch.bfloat16", "default bf16 checkpoint": "torch.bfloat16",
-                     "None bf16 checkpoint": "torch.bfloat16"}, r
+                     "None bf16 checkpoint": "torch.bfloat16", "auto, no config dtype": "torch.bfloat16"}, r
 
 
 def _counting_attention(path: str, installed: bool) -> dict:

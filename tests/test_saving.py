@@ -259,7 +259,7 @@ def test_safetensors_writer_matches_safetensors(tmp_path):
         "empty.f32": torch.empty(0, 4),
     }
     save_file(tensors, tmp_path / "reference.safetensors", metadata={"format": "pt"})
-    order = sorted(tensors, key=lambda k: (-saving._ST_ORDER[saving._ST_DTYPES[tensors[k].dtype]], k))
+    order = sorted(tensors, key=lambda k: (-saving._ST_ORDER[saving.ST_DTYPES[tensors[k].dtype]], k))
     writer = saving.SafetensorsWriter(tmp_path / "ours.safetensors",
                                       [(k, tuple(tensors[k].shape), tensors[k].dtype) for k in order])
     for k in order:
