@@ -4,6 +4,7 @@ our launcher and under torchrun."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -41,7 +42,7 @@ def _step_with_fault(path: str, case: str, victim: int, out: str) -> dict | None
             model(ids)
         except CollectiveFailure as e:
             result = {"seconds": time.monotonic() - start, "message": str(e), "missing": e.missing}
-            Path(out, f"rank{dist.get_rank()}.txt").write_text(repr(result))  # survives a RankError
+            Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(result))  # survives a RankError
             return result
     return {"seconds": time.monotonic() - start, "message": "no error", "missing": None}
 
@@ -57,7 +58,7 @@ def test_fault_under_our_launcher(mixtral, tmp_path, world, case):
             pool.run(_step_with_fault, mixtral, case, victim, str(tmp_path))
         except RankError as e:
             assert case == "killed" and set(e.failures) == {victim}, e
-    results = {r: eval(tmp_path.joinpath(f"rank{r}.txt").read_text()) for r in range(world) if r != victim}
+    results = {r: json.loads(tmp_path.joinpath(f"rank{r}.json").read_text()) for r in range(world) if r != victim}
     assert len(results) == world - 1
     closed, timed_out = "a peer closed its connection", "a rank stopped taking part and the timeout (5 s) ran out"
     for rank, r in results.items():
