@@ -265,8 +265,8 @@ def local_during_forward(module: nn.Module, slots: list[tuple[dict, str]],
                          to_local: Callable[[DTensor], torch.Tensor] = DTensor.to_local) -> None:
     """During ``module``'s forward, each DTensor in ``slots`` (a module's ``_parameters`` or ``_buffers`` and a
     name) appears as ``to_local(tensor)``, a plain tensor, and is put back afterwards (also when the forward
-    raises). Gradients reach the DTensors through ``to_local``. Slots already plain (an enclosing swap did
-    it) are left alone."""
+    raises), unless something else took the slot meanwhile. Gradients reach the DTensors through ``to_local``.
+    Slots already plain (an enclosing swap did it) are left alone."""
     # The slots are kept as (submodule path, table, name) and looked up from the hooked module, so a deep copy of
     # the model (whose hooks are these same functions) swaps its own parameters, not the original's.
     where = {}
@@ -289,15 +289,18 @@ def local_during_forward(module: nn.Module, slots: list[tuple[dict, str]],
         for table, name in tables(mod):
             t = table.get(name)
             if isinstance(t, DTensor):
-                table[name] = to_local(t)
-                swapped.append((table, name, t))
+                table[name] = local = to_local(t)
+                swapped.append((table, name, t, local))
         saved.append(swapped)
 
     def restore(mod: nn.Module, args: tuple, out: Any) -> None:
         if not saved:  # an earlier pre-hook raised before use_local ran: nothing was swapped
             return
-        for table, name, t in saved.pop():
-            table[name] = t
+        for table, name, t, local in saved.pop():
+            # a slot someone else filled meanwhile keeps it: FSDP2 registers a layer's unsharded parameters in
+            # its forward and leaves them there when it does not reshard after forward
+            if table.get(name) is local:
+                table[name] = t
 
     module.register_forward_pre_hook(use_local)
     module.register_forward_hook(restore, always_call=True)

@@ -397,3 +397,26 @@ def test_experts_column_major_option(ranks, checkpoints):
     for r in ranks(4).run(_column_major, checkpoints("mixtral")):
         assert r["diff"] <= TOL and not r["contiguous"], r
         assert "experts_column_major=True with FSDP2" in (r["refused"] or ""), r
+
+
+def _inference_after_fsdp(path: str) -> dict:
+    """Forwards without gradients (evaluation, generate) on an FSDP2 x TP model, one after another."""
+    model = layout_model(path, LAYOUTS["dp2_tp2"]).eval()
+    index, count = data_parallel_rank(model)
+    ids = batches(model.config.vocab_size, 1, rows=4)[0].chunk(count)[index]
+    with torch.no_grad():
+        logits = [model(ids).logits for _ in range(2)]
+    tokens = model.generate(ids[:, :4], max_new_tokens=4, do_sample=False)
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
+    with torch.no_grad():
+        expected = ref(ids).logits
+    return {"logits": max((x - expected).abs().max().item() for x in logits),
+            "tokens": torch.equal(tokens, ref.generate(ids[:, :4], max_new_tokens=4, do_sample=False))}
+
+
+def test_repeated_inference_with_fsdp(ranks, checkpoints):
+    """Forwards without a backward in between keep FSDP2's unsharded layers (the last decoder layer and the
+    output projection, not resharded after forward) registered: the second forward and generate's steps equal
+    one process (the local-parameter swap used to put the sharded parameters back over them)."""
+    for r in ranks(4).run(_inference_after_fsdp, checkpoints("mixtral")):
+        assert r["logits"] <= TOL and r["tokens"], r
