@@ -39,6 +39,7 @@ REFUSED = {
     "state_dict": "weights are read from the checkpoint's files, each rank its slices",
     "key_mapping": "checkpoint keys are mapped by the family's adapter (model_patches)",
     "adapter_name": "PEFT adapters are not loaded here",
+    # (transformers' Auto classes pass it, with the load's hub options, wherever PEFT is installed)
     "adapter_kwargs": "PEFT adapters are not loaded here",
     "use_kernels": "hub kernels are not applied; experts run hf_moe_tp's grouped matmul",
     "tp_size": "the TP size is the mesh's: pass device_mesh= or fsdp_size= / dp_replicate_size=",
@@ -66,6 +67,9 @@ class Resolved:
 
 def refuse(kwargs: dict[str, Any]) -> None:
     """Raise ``ValueError`` naming every argument of ``kwargs`` that cannot apply here, and why (no I/O)."""
+    if isinstance(kwargs.get("adapter_kwargs"), dict):  # less the hub options the Auto classes copy into it
+        kwargs = {**kwargs, "adapter_kwargs": {k: v for k, v in kwargs["adapter_kwargs"].items()
+                                               if k not in HUB_OPTIONS}}
     refused = [f"{k}={kwargs[k]!r} ({REFUSED[k]})" for k in REFUSED if kwargs.get(k) not in (None, False, {})]
     if kwargs.get("use_safetensors") is False:
         refused.append("use_safetensors=False (only safetensors checkpoints are read)")

@@ -192,7 +192,7 @@ REFUSED = [
     (dict(state_dict={"x": 1}), "state_dict="),
     (dict(key_mapping={"a": "b"}), "key_mapping="),
     (dict(adapter_name="lora"), "adapter_name='lora'"),
-    (dict(adapter_kwargs={"r": 8}), "adapter_kwargs="),
+    (dict(adapter_kwargs={"subfolder": "adapter"}), "adapter_kwargs="),
     (dict(use_kernels=True), "use_kernels=True"),
     (dict(output_loading_info=True), "output_loading_info=True"),
 ]
