@@ -1,5 +1,6 @@
 """hf_moe_tp: Hugging Face Mixture-of-Experts models, tensor-parallel on PyTorch DTensors."""
 
+from .accelerate_cpu import allow_on_cpu
 from .expert_parallel import ExpertParallel
 from .experts import ExpertActivation, GroupedExperts
 from .grouped_mm import grouped_mm
@@ -28,3 +29,5 @@ __all__ = [
     "uninstall",
 ]
 __version__ = "0.1.0"
+
+allow_on_cpu()  # accelerate's ParallelismConfig on CPU processes (accelerate_cpu.py)

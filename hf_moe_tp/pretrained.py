@@ -23,7 +23,9 @@ from .loading import load_checkpoint
 from .loss import causal_lm_loss, gather_logits_unless_training
 from .meshes import init_process_group, mesh_device, resolve_layout
 from .randomness import generate_on_leader_state, same_draws_in_training
+from .saving import bind_save_pretrained
 from .timeouts import DEFAULT_TIMEOUT_S, explain_collective_failures, set_timeout
+from .trainer import declare_layout
 
 
 def from_pretrained(
@@ -156,6 +158,8 @@ def from_pretrained(
             model.generation_config = GenerationConfig.from_pretrained(path)
         if layout.dp is not None:
             shard_data_parallel(model, layout.dp, mp_policy=mp_policy, offload_policy=offload_policy)
+        bind_save_pretrained(model)
+        declare_layout(model, layout)  # to transformers' Trainer and accelerate
         explain_collective_failures(model, [mesh, ep_mesh, layout.dp], timeout)
         check_inputs_on(model, mesh, check_inputs)  # last: its hook runs first, before any other collective
     except Exception as e:  # noqa: BLE001 - every error is reported on every rank below

@@ -30,6 +30,7 @@ import re
 import shutil
 import tempfile
 import time
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,6 +147,33 @@ def save_pretrained(
             shutil.rmtree(tmp, ignore_errors=True)
     return SaveReport(path=out, files=list(split.filename_to_tensors), tensors=len(entries),
                       total_size=int(split.metadata["total_size"]), seconds=time.perf_counter() - start)
+
+
+def bind_save_pretrained(model: nn.Module) -> None:
+    """Make ``model.save_pretrained(save_directory, ...)``, as user code and transformers' Trainer call it, run
+    :func:`save_pretrained` (every rank takes part, rank 0 writes the hub files). transformers' own method would
+    write GroupedExperts' parameters under their own names; its arguments are honoured or refused by name."""
+    model.save_pretrained = types.MethodType(_save_pretrained_method, model)
+
+
+# transformers' save_pretrained arguments and the one value each may take here
+_SAVE_ARGUMENTS = {"state_dict": None, "push_to_hub": False, "variant": None, "save_original_format": True,
+                   "distributed_checkpoint": False, "safe_serialization": True}
+
+
+def _save_pretrained_method(self: nn.Module, save_directory: str | os.PathLike, is_main_process: bool = True,
+                            max_shard_size: int | str = "5GB", **kwargs) -> None:
+    # ``is_main_process`` is accepted: rank 0 of the model's group writes, the others take part in the gathers
+    kwargs.pop("token", None)  # the hub's, for push_to_hub, which is refused
+    kwargs.pop("save_peft_format", None)  # PEFT adapters' key format: no adapters in this save
+    unknown = sorted(set(kwargs) - set(_SAVE_ARGUMENTS))
+    if unknown:
+        raise TypeError(f"save_pretrained() got unexpected keyword argument(s) {', '.join(unknown)}")
+    refused = [f"{k}={v!r}" for k, v in kwargs.items() if v is not _SAVE_ARGUMENTS[k]]
+    if refused:
+        raise ValueError(f"save_pretrained of an hf_moe_tp model: {', '.join(refused)} not supported (it writes "
+                         f"the model's own tensors as safetensors in the hub's format, to a local directory)")
+    save_pretrained(self, save_directory, max_shard_size=max_shard_size)
 
 
 # ---- what to write ---------------------------------------------------------------------------------------------

@@ -1,0 +1,209 @@
+"""transformers' ``Trainer`` (and accelerate under it) on hf_moe_tp models.
+
+A loaded model declares its layout the way transformers' own models sharded at load time
+(``DistributedConfig``) do: ``_tp_size`` (the ranks that share a batch), ``config.distributed_config`` (its
+data-parallel size) and ``is_distributed_loading_by_transformers`` (it owns its placement and gradient
+reduction). From that the Trainer, unchanged, builds accelerate's ``ParallelismConfig(tp_size, dp_shard_size)``,
+whose dataloader hands the ranks of a TP group the same batches and the data-parallel ranks different ones;
+it neither moves the model nor wraps it in DDP, scales the loss and clips the norm as for its own TP models,
+and keeps every rank in ``save_model`` (``model.save_pretrained`` is :func:`hf_moe_tp.save_pretrained`).
+
+What the Trainer gets wrong for such models is mended here, for hf_moe_tp models only:
+
+- Checkpoints: transformers refuses optimizer state for models sharded at load time (it would save the optimizer
+  from rank 0 alone). For ours, model and optimizer state are saved with torch DCP, each rank writing its shards
+  (``<checkpoint>/hf_moe_tp_state``), and ``resume_from_checkpoint`` and ``load_best_model_at_end`` read them
+  back. This is a patch of five Trainer methods, installed when the first model is declared; each calls the
+  original for any other model, and ``tests/test_trainer.py`` fails once transformers stops refusing.
+- Predictions: accelerate's ``gather_for_metrics`` takes every rank's copy of a batch, so a TP group would
+  return each row tp times; the Trainer's accelerator gathers one copy per TP group instead.
+- A layout whose data-parallel ranks would not average their gradients under the Trainer is refused.
+
+On CPU processes accelerate refuses any ``ParallelismConfig``: :mod:`hf_moe_tp.accelerate_cpu`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .meshes import Layout
+
+STATE_DIR = "hf_moe_tp_state"  # the DCP checkpoint inside a Trainer checkpoint folder
+
+_installed = False
+
+
+def declare_layout(model: nn.Module, layout: Layout) -> None:
+    """Set the attributes transformers' Trainer and accelerate read from a model sharded at load time, and
+    install the shims (once per process)."""
+    from transformers.distributed import DistributedConfig
+
+    tp = layout.tp.size()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    replicate = layout.dp.size(0) if layout.dp is not None and layout.dp.ndim == 2 else 1
+    model._tp_size = tp
+    model._is_distributed_loading_by_transformers = True
+    model.config.distributed_config = DistributedConfig(tp_size=tp, fsdp_size=world // tp // replicate,
+                                                        dp_replicate_size=replicate)
+    _install()
+
+
+def is_hf_moe_tp_model(model: Any) -> bool:
+    """Whether ``model`` was loaded by hf_moe_tp (a PEFT model forwards the attribute from the model inside)."""
+    return getattr(model, "hf_moe_tp_mesh", None) is not None
+
+
+def check_gradient_reduction(model: nn.Module) -> None:
+    """Refuse a layout whose data-parallel ranks would not combine their gradients under the Trainer: a
+    trainable parameter that lives on a mesh covering fewer ranks than the world while different ranks hold
+    different batches (an ``(ep, tp)`` mesh without FSDP: the dense layers' gradients are left to the caller)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tp = getattr(model, "_tp_size", None) or 1
+    if world == tp:
+        return
+    for name, p in model.named_parameters():  # plain tensors: the Trainer averages their gradients itself
+        if p.requires_grad and isinstance(p, DTensor) and p.device_mesh.size() < world:
+            raise ValueError(f"parameter {name} lives on {p.device_mesh.size()} of {world} ranks, which train "
+                             f"{world // tp} different batches, and nothing averages its gradient over them: load "
+                             f"with fsdp_size={world // tp} (FSDP2 over the data-parallel ranks) to train this "
+                             f"layout with the Trainer")
+
+
+def save_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, folder: str | os.PathLike) -> None:
+    """Save ``model``'s (and ``optimizer``'s) sharded state with torch DCP, each rank its own shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer or [])
+    state = {"model": model_state} if optimizer is None else {"model": model_state, "optim": optim_state}
+    dcp.save(state, checkpoint_id=str(folder))
+
+
+def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, folder: str | os.PathLike) -> None:
+    """Load what :func:`save_state` wrote into ``model`` (and ``optimizer``), at whatever layout they now have."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer or [])
+    state = {"model": model_state} if optimizer is None else {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer or [], model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
+
+
+def _state_folder(checkpoint: str | os.PathLike) -> str:
+    folder = os.path.join(checkpoint, STATE_DIR)
+    if not os.path.isdir(folder):
+        raise ValueError(f"checkpoint {checkpoint} has no {STATE_DIR} folder (the sharded model and optimizer state "
+                         f"hf_moe_tp writes beside the hub files; a checkpoint saved with save_only_model=True has "
+                         f"none): resume from a checkpoint written without save_only_model, or start from its weights "
+                         f"with hf_moe_tp.from_pretrained({checkpoint!r})")
+    return folder
+
+
+def _install() -> None:
+    """Patch the Trainer's checkpoint methods (module docstring), once."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    from transformers import Trainer, TrainingArguments
+
+    def patch(name: str, ours, model_of=lambda self, *args, **kwargs: self.model) -> None:
+        original = getattr(Trainer, name)
+
+        @functools.wraps(original)
+        def method(self, *args: Any, **kwargs: Any) -> Any:
+            if is_hf_moe_tp_model(model_of(self, *args, **kwargs)):
+                return ours(self, original, *args, **kwargs)
+            return original(self, *args, **kwargs)
+
+        method.hf_moe_tp_original = original
+        setattr(Trainer, name, method)
+
+    def init(trainer: Any, original, model: nn.Module, args: Any = None, *rest: Any, **kwargs: Any) -> None:
+        check_gradient_reduction(model)
+        # transformers refuses optimizer checkpoints for models sharded at load time, which it would save from
+        # rank 0 alone; ours are saved with DCP (below), so its check is passed over
+        args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")  # the Trainer's default
+        keep, args.save_only_model = args.save_only_model, True
+        try:
+            original(trainer, model, args, *rest, **kwargs)
+        finally:
+            args.save_only_model = keep
+        _gather_metrics_once_per_tp_group(trainer, model)
+
+    patch("__init__", init, model_of=lambda self, model=None, *args, **kwargs: model)
+    patch("_save_optimizer_and_scheduler", _save_optimizer_and_scheduler)
+    patch("_load_optimizer_and_scheduler", _load_optimizer_and_scheduler)
+    patch("_load_from_checkpoint", _load_from_checkpoint)
+    patch("_load_best_model", _load_best_model)
+
+
+def _gather_metrics_once_per_tp_group(trainer: Any, model: nn.Module) -> None:
+    """Make ``trainer.accelerator.gather_for_metrics`` (predictions and labels of evaluate / predict) take each
+    batch once: accelerate gathers every rank's copy, so a TP group's ranks, which hold the same batch, would
+    return it tp times over. The gathered tensors are the ranks' blocks in rank order, a TP group's ranks
+    consecutive (checked), so each group's first block is kept."""
+    tp = getattr(model, "_tp_size", None) or 1
+    accelerator = trainer.accelerator
+    if tp == 1:
+        return
+    if trainer.args.eval_use_gather_object:
+        raise ValueError("eval_use_gather_object=True with a tensor-parallel hf_moe_tp model: accelerate's "
+                         "gather_object would return each batch once per TP rank; leave it False")
+    ranks = model.hf_moe_tp_mesh.mesh.flatten().tolist()
+    if ranks != list(range(ranks[0], ranks[0] + tp)) or ranks[0] % tp:
+        raise ValueError(f"the TP group of rank {dist.get_rank()} is ranks {ranks}: accelerate hands the same batches "
+                         f"to blocks of {tp} consecutive ranks, so the Trainer needs TP as the last mesh dimension")
+    gather_for_metrics = accelerator.gather_for_metrics
+
+    def leaders_only(data: Any) -> Any:
+        from accelerate.utils import recursively_apply
+
+        gathered = type(accelerator).gather(accelerator, data)
+        return recursively_apply(lambda t: torch.cat(t.chunk(accelerator.num_processes)[::tp]), gathered)
+
+    @functools.wraps(gather_for_metrics)
+    def once_per_tp_group(input_data: Any, use_gather_object: bool = False) -> Any:
+        accelerator.gather = leaders_only  # for this call only: the Trainer's other gathers count every rank
+        try:
+            return gather_for_metrics(input_data, use_gather_object)
+        finally:
+            del accelerator.gather
+
+    accelerator.gather_for_metrics = once_per_tp_group
+    trainer.gather_function = once_per_tp_group  # the Trainer's copy, taken when it made the accelerator
+
+
+def _save_optimizer_and_scheduler(trainer: Any, original, output_dir: str) -> None:
+    from transformers.trainer import SCHEDULER_NAME
+
+    save_state(trainer.model, trainer.optimizer, os.path.join(output_dir, STATE_DIR))
+    if trainer.args.should_save and trainer.lr_scheduler is not None:
+        torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+
+def _load_optimizer_and_scheduler(trainer: Any, original, checkpoint: str | None) -> None:
+    if checkpoint is None:
+        return
+    from transformers.trainer import SCHEDULER_NAME
+
+    load_state(trainer.model, trainer.optimizer, _state_folder(checkpoint))
+    scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+    if trainer.lr_scheduler is not None and os.path.isfile(scheduler):
+        trainer.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+def _load_from_checkpoint(trainer: Any, original, checkpoint: str, model: nn.Module | None = None) -> None:
+    _state_folder(checkpoint)  # the weights come back with the optimizer state, once the optimizer exists
+
+
+def _load_best_model(trainer: Any, original) -> None:
+    load_state(trainer.model, None, _state_folder(trainer.state.best_model_checkpoint))
