@@ -59,7 +59,9 @@ class Request:
             # 16 ms per 3 MB expert slice); reading the slice in file order first, then transposing in RAM,
             # takes under 2 ms. Weights stored in the checkpoint's orientation (GroupedExperts' column_major)
             # skip this: a plain copy, about 0.5 ms.
-            view = self._arrange(_in_file_order(tensor))
+            # on an accelerator the bytes go over in file order and the device transposes (torch's cross-device
+            # copy would make the transposed source contiguous on the host first)
+            view = self._arrange(_in_file_order(tensor).to(dst.device))
             if dst.dim() > 2 and view.shape == dst.shape:
                 # torch's blocked transposing copy takes only 2-D tensors: a per-expert slice (1, dim, hidden)
                 # copied as 3-D goes element by element (measured 4.9 ms per 3 MB slice, 2-D 0.7 ms)

@@ -137,6 +137,11 @@ def _install() -> None:
             original(trainer, model, args, *rest, **kwargs)
         finally:
             args.save_only_model = keep
+        wrapper = [name for name, on in (("fsdp", args.fsdp or trainer.is_fsdp_enabled),
+                                         ("deepspeed", args.deepspeed or trainer.is_deepspeed_enabled)) if on]
+        if wrapper:  # accelerate would shard the sharded model again (on CPU it leaves fsdp out without a word)
+            raise ValueError(f"{wrapper[0]} (TrainingArguments or the accelerate config) with an hf_moe_tp model, "
+                             f"which is sharded already: leave it unset; FSDP2 comes with from_pretrained(fsdp_size=)")
         _gather_metrics_once_per_tp_group(trainer, model)
 
     patch("__init__", init, model_of=lambda self, model=None, *args, **kwargs: model)

@@ -19,9 +19,11 @@ def test_quickstart_notebook(tmp_path, monkeypatch):
     assert "MATCH" in text and "MISMATCH" not in text
     assert "rank 0: loaded in" in text and "rank 1: loaded in" in text
     assert "Shard(dim=2)" in text and "mlp.experts.w1" in text  # the shard table
+    assert "TRAINING MATCH" in text and "TRAINING MISMATCH" not in text  # the Trainer at TP=2 vs one process
     images = [out for cell in nb.cells for out in cell.get("outputs", []) if "image/png" in out.get("data", {})]
-    assert len(images) == 1  # the memory plot
-    assert (tmp_path / "memory.png").is_file() and os.path.getsize(tmp_path / "memory.png") > 1000
+    assert len(images) == 2  # the memory plot and the loss curves
+    for plot in ("memory.png", "loss.png"):
+        assert (tmp_path / plot).is_file() and os.path.getsize(tmp_path / plot) > 1000
 
 
 NOTEBOOK_FUNCTIONS = '''

@@ -203,6 +203,21 @@ def test_layout_without_gradient_averaging_refused(ranks, mixtral):
         assert "fsdp_size=2" in message and "lives on 2 of 4 ranks" in message, message
 
 
+def _refused_fsdp_argument(path: str, out: str) -> str:
+    _fresh_accelerate()
+    model = hf_moe_tp.from_pretrained(path)
+    with pytest.raises(ValueError) as e:
+        Trainer(model=model, args=arguments(out, fsdp="full_shard"), train_dataset=Rows(16))
+    return str(e.value)
+
+
+def test_trainer_fsdp_argument_refused(ranks, mixtral, tmp_path):
+    """TrainingArguments(fsdp=...) would have accelerate shard the sharded model again (on CPU accelerate drops it
+    without a word): refused by name on every rank."""
+    for message in ranks(2).run(_refused_fsdp_argument, mixtral, str(tmp_path)):
+        assert message.startswith("fsdp (TrainingArguments") and "fsdp_size" in message, message
+
+
 def test_shims_still_needed(mixtral, tmp_path):
     """hf_moe_tp.accelerate_cpu and the checkpoint patch of hf_moe_tp.trainer each answer a refusal the
     installed accelerate / transformers still make: this fails (and the shim can go) once they stop."""
