@@ -32,7 +32,9 @@ def count_bytes():
 
     def sent(name: str, functional: bool, args: tuple, kwargs: dict) -> int:
         # torch.distributed's calls take (output, input, ...), the functional ones (input, ...)
-        t = args[0] if functional or name == "all_reduce" else args[1]
+        t = args[0] if functional or name in ("all_reduce", "broadcast") else args[1]
+        if name == "broadcast":  # the source's bytes, once
+            return nbytes(t)
         if name == "all_reduce":
             return 2 * (world - 1) * nbytes(t) // world
         if name.startswith("all_gather"):

@@ -34,6 +34,9 @@ from .styles import (
     local_during_forward,
 )
 
+# At most this many (token, slot) pairs, the all-reduce dispatch runs every pair (see _dispatch_local).
+MASKED_PAIRS = 64
+
 
 class ExpertParallel(ParallelStyle):
     """Give each rank whole experts: every GroupedExperts parameter ``Shard(0)`` (the expert dim) over the EP ranks.
@@ -157,13 +160,22 @@ class _Dispatcher:
         return (received, local_ids.unsqueeze(1), ones, *args[3:])
 
     def _dispatch_local(self, args: tuple) -> tuple:
-        """The pairs routed to this rank's experts, run here; :meth:`combine` all-reduces the outputs."""
+        """The pairs routed to this rank's experts, run here; :meth:`combine` all-reduces the outputs.
+
+        Few pairs (a decode step): every pair runs, those of other ranks' experts with weight 0, so the shapes
+        are the batch's and nothing waits on the host (no ``nonzero``), as a CUDA graph needs; the extra rows
+        cost little at this size. Many pairs: only this rank's, picked with ``nonzero``."""
         x, index, weights = args[:3]
         group = self.ep_mesh.get_group()
         if torch.is_grad_enabled():  # each rank contributes its pairs' part of the inputs' gradients: sum them
             x, weights = (_SumGradOverMesh.apply(t, group) if t.requires_grad else t for t in (x, weights))
         start = self.ep_mesh.get_local_rank() * self.per_rank
-        token, slot = ((index >= start) & (index < start + self.per_rank)).nonzero(as_tuple=True)
+        mine = (index >= start) & (index < start + self.per_rank)
+        if index.numel() <= MASKED_PAIRS and not self.experts.score_before_experts:
+            held = _local_experts(self.experts)
+            self.calls.append(dict(mode="masked", dtype=x.dtype))
+            return (x, (index - start).clamp(0, held - 1), weights * mine, *args[3:])
+        token, slot = mine.nonzero(as_tuple=True)
         rows, row_weights = x[token], weights[token, slot].unsqueeze(-1)
         if self.experts.score_before_experts:
             rows = rows * row_weights.to(rows.dtype)
@@ -180,6 +192,8 @@ class _Dispatcher:
 
     def combine(self, out: torch.Tensor) -> torch.Tensor:
         call = self.calls.pop()
+        if call["mode"] == "masked":  # weighted and summed over the slots already
+            return _SumOverMesh.apply(out, self.ep_mesh.get_group()).to(call["dtype"])
         if call["mode"] == "all_reduce":
             return self._combine_local(out, call)
         back = _AllToAll.apply(out, call["send_sizes"], call["recv_sizes"], self.ep_mesh.get_group())
@@ -192,6 +206,11 @@ class _Dispatcher:
         if self.batch_mesh is not None:
             y = _gather_rows(y, self.batch_mesh, call["num_tokens"])
         return y
+
+
+def _local_experts(experts: nn.Module) -> int:
+    w1 = experts.w1
+    return (w1.to_local() if isinstance(w1, DTensor) else w1).shape[0]
 
 
 def _slice_rows(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

@@ -40,9 +40,15 @@ def _step(module, x, index, weights, upstream):
 
 
 def _ep_matches_unsharded(experts: int, layout: str, bias: bool, score_before: bool, skew: bool = False,
-                          mesh_shape: tuple[int, ...] | None = None, dispatch: str = "auto"):
+                          mesh_shape: tuple[int, ...] | None = None, dispatch: str = "auto",
+                          masked_pairs: int | None = None):
     """EP against one process. ``layout``: "replicate" (every rank the same tokens) or "shard" (each rank its own
-    batch: the reference runs all ranks' batches concatenated). ``mesh_shape``: a 2-D (ep, tp) mesh."""
+    batch: the reference runs all ranks' batches concatenated). ``mesh_shape``: a 2-D (ep, tp) mesh.
+    ``masked_pairs``: the all-reduce dispatch's threshold for running every pair (see _dispatch_local)."""
+    from hf_moe_tp import expert_parallel
+
+    if masked_pairs is not None:
+        expert_parallel.MASKED_PAIRS = masked_pairs
     world, rank = dist.get_world_size(), dist.get_rank()
     activation = ExpertActivation.clamped_swiglu(limit=0.5) if bias else ExpertActivation()
     m = grouped_experts(experts, DIM, HIDDEN, bias=bias, activation=activation)
@@ -110,12 +116,17 @@ def test_ep_idle_ranks(ranks):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("dispatch", ["all_reduce", "all_to_all"])
+@pytest.mark.parametrize("dispatch", ["all_reduce", "all_reduce_picked", "all_to_all"])
 def test_ep_dispatch_forced(ranks, world, dispatch):
     """Either dispatch in training and inference ("auto" takes all-to-all with gradients, all-reduce without):
-    no tokens moved and one all-reduce, or tokens moved by all-to-all; the same numbers either way."""
-    _check(ranks(world).run(_ep_matches_unsharded, 7, "replicate", False, False, False, None, dispatch))
-    _check(ranks(world).run(_ep_matches_unsharded, 8, "replicate", True, False, True, None, dispatch))  # bias, skew
+    no tokens moved and one all-reduce, or tokens moved by all-to-all; the same numbers either way. The
+    all-reduce runs every pair (others' weighted 0, no host sync) for a few pairs, as here, and only this rank's
+    (picked with nonzero) for many ("picked": the threshold set to 0)."""
+    masked = 0 if dispatch == "all_reduce_picked" else 64
+    dispatch = dispatch.removesuffix("_picked")
+    for experts, bias, skew in ((7, False, False), (8, True, True)):  # bias, skew
+        _check(ranks(world).run(_ep_matches_unsharded, experts, "replicate", bias, False, skew, None, dispatch,
+                                masked))
 
 
 def test_ep_on_2d_mesh(ranks):

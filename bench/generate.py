@@ -1,0 +1,108 @@
+"""Interactive generation at TP=2: hf_moe_tp against transformers' native ``tp_plan="auto"``, batch 1 and 8,
+greedy, the bench/load.py Mixtral-shaped model (hidden 1024, 16 experts of 1536, 4 layers, vocabulary 32000).
+
+    python bench/generate.py [--prompt 32] [--new 48] [--batches 1 8] [--dtypes bfloat16 float32] [--repeats 3]
+
+Every variant (ours TP=2, ours with expert parallelism EP=2, transformers TP=2, transformers ``ep_size=2``) is
+loaded into the same 2 ranks and timed in rotation, each figure the median of ``--repeats`` rounds after a
+warm-up round. Prefill is ``generate(max_new_tokens=1)``; a whole call is ``generate(max_new_tokens=new)``;
+decode is the difference, per new token after the first. Tokens per second count every sequence of the batch
+(``batch * new`` over the whole call). Collectives are counted on one decode step (a 2-token call less a
+1-token call). The ranks run with glibc's malloc thresholds pinned (bench/allocator.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from allocator import pin_malloc
+from collectives import count_bytes, rotated_medians
+from load import make_checkpoint
+
+from hf_moe_tp.launch import run_on_ranks
+
+DEFAULT_DIR = Path.home() / ".cache/hf_moe_tp/bench-mixtral-1.5g"
+VARIANTS = ("hf_moe_tp", "transformers tp_plan=auto", "hf_moe_tp ep_size=2", "transformers ep_size=2")
+
+
+def load(name: str, path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import hf_moe_tp
+
+    if name == "hf_moe_tp":
+        return hf_moe_tp.from_pretrained(path, dtype=dtype)
+    if name == "hf_moe_tp ep_size=2":
+        return hf_moe_tp.from_pretrained(path, dtype=dtype, ep_size=2)
+    if name == "transformers tp_plan=auto":
+        return AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype)
+    config = DistributedConfig(tp_size=2, ep_size=2)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, distributed_config=config)
+
+
+def bench_rank(path: str, dtype_name: str, batches: list[int], prompt: int, new: int, repeats: int) -> dict:
+    dtype = getattr(torch, dtype_name)
+    models = {name: load(name, path, dtype).eval() for name in VARIANTS}
+    out = {}
+    for batch in batches:
+        ids = torch.randint(0, 32000, (batch, prompt), generator=torch.Generator().manual_seed(batch))
+        mask = torch.ones_like(ids)
+
+        def generate(model, n: int, ids=ids, mask=mask):
+            with torch.no_grad():
+                return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+        tokens = {name: generate(model, new)[:, prompt:] for name, model in models.items()}
+        steps = {}
+        for name, model in models.items():
+            counted = []
+            for n in (1, 2):
+                with count_bytes() as (counts, _):
+                    generate(model, n)
+                counted.append(counts)
+            steps[name] = dict(counted[1] - counted[0])
+        prefill = rotated_medians({name: (lambda m=model: generate(m, 1)) for name, model in models.items()}, repeats)
+        whole = rotated_medians({name: (lambda m=model: generate(m, new)) for name, model in models.items()}, repeats)
+        out[batch] = {name: {"tok_s": batch * new / whole[name], "prefill_s": prefill[name],
+                             "decode_ms": (whole[name] - prefill[name]) / (new - 1) * 1e3,
+                             "same_tokens": torch.equal(tokens[name], tokens["transformers tp_plan=auto"]),
+                             "collectives": steps[name]}
+                      for name in models}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--new", type=int, default=48)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--system-malloc", action="store_true", help="keep glibc's default malloc thresholds")
+    args = p.parse_args()
+    malloc = pin_malloc(args.system_malloc)
+    make_checkpoint(args.dir)
+    print(f"{args.dir.name}, TP=2, prompt {args.prompt}, {args.new} new greedy tokens, median of {args.repeats}, "
+          f"{malloc}")
+    for dtype in args.dtypes:
+        results = run_on_ranks(bench_rank, 2, str(args.dir), dtype, args.batches, args.prompt, args.new,
+                               args.repeats, timeout=7200)[0]
+        for batch, rows in results.items():
+            print(f"\n{dtype}, batch {batch}")
+            for name, r in rows.items():
+                print(f"  {name:<26} {r['tok_s']:7.1f} tok/s  prefill {r['prefill_s'] * 1e3:7.1f} ms  decode "
+                      f"{r['decode_ms']:6.1f} ms/step  tokens {'same' if r['same_tokens'] else 'DIFFER'}  "
+                      f"collectives per decode step {r['collectives']}")
+            for ours, ref in ((VARIANTS[0], VARIANTS[1]), (VARIANTS[2], VARIANTS[3])):
+                a, b = rows[ours], rows[ref]
+                print(f"  {ours} / {ref}: {a['tok_s'] / b['tok_s']:.2f}x tok/s, prefill "
+                      f"{a['prefill_s'] / b['prefill_s']:.2f}x time, decode {a['decode_ms'] / b['decode_ms']:.2f}x "
+                      f"time per step")
+
+
+if __name__ == "__main__":
+    main()
