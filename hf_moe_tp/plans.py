@@ -25,13 +25,14 @@ from transformers import PretrainedConfig
 from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
 from .hf_plan import entries, heads_divide, matches
+from .linear import ColumnParallel, RowParallel
 from .styles import LocalParams, NoParallel, TensorParallel, VocabParallelEmbedding, swap_to_local
 
 # transformers' plan names -> torch styles. Expert entries are ours (TensorParallel on GroupedExperts).
 HF_STYLES = {
-    "colwise": lambda: ColwiseParallel(),
-    "rowwise": lambda: RowwiseParallel(),
-    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise": lambda: ColumnParallel(),
+    "rowwise": lambda: RowParallel(),
+    "colwise_gather_output": lambda: ColumnParallel(output_layouts=Replicate()),
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
     "embedding_rowwise": lambda: VocabParallelEmbedding(),
     "replicated_with_grad_allreduce": lambda: LocalParams(),

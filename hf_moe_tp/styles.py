@@ -90,6 +90,8 @@ class TensorParallel(ParallelStyle):
                      for i, (a, layout) in enumerate(zip(args, layouts, strict=False)))
 
     def _prepare_output(self, output: torch.Tensor, mesh: DeviceMesh, partial: bool = True) -> torch.Tensor:
+        if isinstance(self.output_layout, Replicate) and self.use_local_output:  # one all-reduce, no DTensor
+            return _SumOverMesh.apply(output, mesh.get_group()) if partial else output
         out = DTensor.from_local(output, mesh, (Partial() if partial else Replicate(),), run_check=False)
         out = out.redistribute(mesh, (self.output_layout,))
         return out.to_local() if self.use_local_output else out
@@ -312,6 +314,8 @@ class _SumOverMesh(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        if torch.distributed.get_world_size(group) == 1:
+            return t.view_as(t)
         t = t.contiguous().clone()
         torch.distributed.all_reduce(t, group=group)
         return t
@@ -331,6 +335,8 @@ class _SumGradOverMesh(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        if torch.distributed.get_world_size(ctx.group) == 1:
+            return grad, None
         grad = grad.contiguous().clone()
         torch.distributed.all_reduce(grad, group=ctx.group)
         return grad, None
@@ -389,6 +395,10 @@ def _replicated_local(arg: Any, layout: Placement, mesh: DeviceMesh, sizes: dict
     partial sum; the backward of ``from_local`` reduces it (Partial -> ``layout``).
     """
     if not isinstance(arg, torch.Tensor):
+        return arg
+    if not isinstance(arg, DTensor) and isinstance(layout, Replicate):  # the common case, without DTensor dispatch
+        if partial_grad and arg.requires_grad and torch.is_grad_enabled():
+            return _SumGradOverMesh.apply(arg, mesh.get_group())
         return arg
     if not isinstance(arg, DTensor):
         arg = _from_local(arg, layout, mesh, sizes)

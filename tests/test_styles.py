@@ -71,7 +71,8 @@ def _tp_matches_unsharded(hidden: int, bias: bool, activation: ExpertActivation,
         "params_after_step": _max_diff(params, rparams),
         "norm_rel": None if norm is None else ((norm - rnorm).abs() / rnorm).item(),
         "ranks_agree": all(torch.equal(g, gathered[0]) for g in gathered),
-        "all_reduces": comm.get_comm_counts().get(torch.ops.c10d_functional.all_reduce, 0),
+        "all_reduces": sum(comm.get_comm_counts().get(op, 0) for op in (torch.ops.c10d_functional.all_reduce,
+                                                                        torch.ops.c10d.allreduce_)),
         "collectives": comm.get_total_counts(),
     }
 
@@ -157,7 +158,7 @@ def test_moe_block_matches_transformers(ranks, world):
         assert r["all_dtensors_on_tp"] and r["gate_placements"] == (Replicate(),)
         assert r["output"] <= FP32_TOL and r["input_grad"] <= FP32_TOL
         assert max(r["grads"].values()) <= FP32_TOL, r["grads"]
-        assert r["forward_collectives"] == {"c10d_functional.all_reduce": 1}
+        assert r["forward_collectives"] == {"c10d.allreduce_": 1}  # one all-reduce, called directly
 
 
 def test_tp_on_2d_mesh_with_data_parallel(ranks):
@@ -278,3 +279,49 @@ def test_vocab_parallel_embedding(ranks, world, vocab, padding_idx):
     assert [r["local_rows"] for r in results] == [len(c) for c in torch.arange(vocab).chunk(world)]
     for r in results:
         assert r["output"] == 0 and r["grad"] <= FP32_TOL and r["padding_idx"] == padding_idx, r
+
+
+def _linear_pair(gather: bool):
+    """Column-wise then row-wise linear layers (biases on both) with our local-compute styles and the same
+    unsharded: output, input and weight gradients; and the collectives the forward calls."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from hf_moe_tp.linear import ColumnParallel, RowParallel
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    if gather:  # transformers' colwise_gather_output (an lm_head): the output whole on every rank
+        m = torch.nn.Sequential(torch.nn.Linear(DIM, 4 * world, bias=True))
+        plan = {"0": ColumnParallel(output_layouts=Replicate())}
+    else:
+        m = torch.nn.Sequential(torch.nn.Linear(DIM, 4 * world), torch.nn.Linear(4 * world, DIM))
+        plan = {"0": ColumnParallel(), "1": RowParallel()}
+    ref = copy.deepcopy(m)
+    parallelize_module(m, mesh, plan)
+    x = torch.randn(5, 3, DIM, generator=torch.Generator().manual_seed(1))
+    upstream = torch.randn(5, 3, m[-1].out_features, generator=torch.Generator().manual_seed(2))
+    outs = {}
+    for name, module in (("ours", m), ("ref", ref)):
+        xi = x.clone().requires_grad_()
+        y = module(xi)
+        (y * upstream).sum().backward()
+        outs[name] = (y, xi.grad, {n: _full(p.grad) for n, p in module.named_parameters()})
+    (y, gx, grads), (ry, rgx, rgrads) = outs["ours"], outs["ref"]
+    return {"is_torch_style": isinstance(plan["0"], ColwiseParallel), "plain": type(y) is torch.Tensor,
+            "output": (y - ry).abs().max().item(), "input_grad": (gx - rgx).abs().max().item(),
+            "grads": {n: (grads[n] - rgrads[n]).abs().max().item() for n in rgrads},
+            "placements": {n: p.placements for n, p in m.named_parameters()}}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("gather", [False, True], ids=["column_row", "column_gathered"])
+def test_local_column_and_row_parallel(ranks, world, gather):
+    """ColumnParallel / RowParallel (torch's styles computed on local tensors, communication explicit) equal the
+    unsharded layers in output, input gradient and parameter gradients, with torch's placements."""
+    for r in ranks(world).run(_linear_pair, gather):
+        assert r["is_torch_style"] and r["plain"], r
+        assert r["output"] <= FP32_TOL and r["input_grad"] <= FP32_TOL and max(r["grads"].values()) <= FP32_TOL, r
+        assert r["placements"]["0.weight"] == (Shard(0),) and r["placements"]["0.bias"] == (Shard(0),), r
+        if not gather:
+            assert r["placements"]["1.weight"] == (Shard(1),) and r["placements"]["1.bias"] == (Replicate(),), r
