@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from .quantized import check_requested, quantization_of, refuse_requested
+
 # Hub download options: they go to huggingface_hub for a repo id (and are meaningless for a local directory,
 # as in transformers).
 HUB_OPTIONS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "proxies")
@@ -29,7 +31,7 @@ REFUSED = {
     "offload_folder": "disk offload is not supported; shard over more ranks instead",
     "offload_state_dict": "disk offload is not supported",
     "offload_buffers": "offload is not supported",
-    "quantization_config": "quantized checkpoints are not read yet (FP8 and MXFP4 are issue 15)",
+    "quantization_config": "see quantized.refuse_requested: fp8 and mxfp4 with dequantize=True are taken",
     "load_in_8bit": "bitsandbytes quantization is not supported",
     "load_in_4bit": "bitsandbytes quantization is not supported",
     "gguf_file": "GGUF files are not read; use the safetensors checkpoint",
@@ -66,7 +68,11 @@ class Resolved:
 
 def refuse(kwargs: dict[str, Any]) -> None:
     """Raise ``ValueError`` naming every argument of ``kwargs`` that cannot apply here, and why (no I/O)."""
-    refused = [f"{k}={kwargs[k]!r} ({REFUSED[k]})" for k in REFUSED if kwargs.get(k) not in (None, False, {})]
+    refused = [f"{k}={kwargs[k]!r} ({REFUSED[k]})" for k in REFUSED if kwargs.get(k) not in (None, False, {})
+               and k != "quantization_config"]
+    why = refuse_requested(kwargs.get("quantization_config"))  # the formats read here pass
+    if why is not None:
+        refused.append(f"quantization_config={kwargs['quantization_config']!r} ({why})")
     if kwargs.get("use_safetensors") is False:
         refused.append("use_safetensors=False (only safetensors checkpoints are read)")
     experts = kwargs.get("experts_implementation")
@@ -84,6 +90,7 @@ def refuse(kwargs: dict[str, Any]) -> None:
 def resolve(path: str | os.PathLike, dtype: Any = None, **kwargs: Any) -> Resolved:
     """Apply transformers' ``from_pretrained`` keyword arguments, which :func:`refuse` has passed (the README's
     table)."""
+    requested_quantization = kwargs.pop("quantization_config", None)
     for k in (*REFUSED, *NO_OPS, "use_safetensors", "experts_implementation"):
         kwargs.pop(k, None)
     if "torch_dtype" in kwargs:  # transformers' older name
@@ -109,6 +116,8 @@ def resolve(path: str | os.PathLike, dtype: Any = None, **kwargs: Any) -> Resolv
         overrides[key] = value
     for key, value in overrides.items():
         setattr(config, key, value)
+    # the checkpoint's quantization: one hf_moe_tp reads (and the one asked for), or refused here, before any read
+    check_requested(requested_quantization, quantization_of(config, local / "config.json"), local / "config.json")
     return Resolved(local, config, torch_dtype(dtype, config, local), attn, generation_config,
                     strict=not (overrides or given))
 

@@ -10,6 +10,7 @@ of the parameter, :meth:`Source.request` computes the box to read from the check
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,15 @@ class Request:
     fixed: tuple[int, ...]
     into: tuple[slice, ...]
     numel: int
+
+    def fetch(self, read: Callable[[str, tuple[slice, ...]], torch.Tensor], key: str) -> torch.Tensor:
+        """The tensor this request places: ``key[read]`` through ``read`` (``Checkpoint.read``; ``key`` is the
+        checkpoint's name for :attr:`key`). Dequantizing requests (:mod:`hf_moe_tp.quantized`) read otherwise."""
+        return read(key, self.read)
+
+    def reads(self, key: str) -> list[tuple[str, tuple[slice, ...]]]:
+        """The checkpoint keys and boxes :meth:`fetch` reads (``key`` as there)."""
+        return [(key, self.read)]
 
     def place(self, tensor: torch.Tensor, local: torch.Tensor) -> None:
         """Copy the tensor read for this request into ``local`` (casting its dtype)."""
