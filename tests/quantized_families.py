@@ -28,7 +28,11 @@ _KEEP = re.compile(r"(norm\.weight|mlp\.gate\.weight|router\.weight)$")
 
 
 def fp8_quantize(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight, fp32 scale per block) of a 2-D ``w``; ``block`` None: one scale for the whole tensor."""
+    """(e4m3 weight, fp32 scale per block of the last two dims) of ``w``; ``block`` None: one scale for the whole
+    tensor."""
+    if w.dim() > 2:
+        pairs = [fp8_quantize(part, block) for part in w]
+        return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
     rows, cols = w.shape
     bm, bn = block if block is not None else (rows, cols)
     gm, gn = math.ceil(rows / bm), math.ceil(cols / bn)
@@ -43,6 +47,8 @@ def fp8_quantize(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.
 
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
     """The hub's meaning of an FP8 weight (an independent reference: whole tensors, fp32)."""
+    if q.dim() > 2:
+        return torch.stack([fp8_dequantize(a, b, block) for a, b in zip(q, scale, strict=True)])
     if block is None:
         return q.float() * scale.float()
     rows, cols = q.shape
@@ -51,9 +57,11 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] 
 
 
 def save_fp8(config, path: Path, block: tuple[int, int] | None = (128, 128), *, seed: int = 0,
-             scale_dtype: torch.dtype = torch.float32) -> Path:
-    """A random model of ``config`` saved by save_pretrained, then its decoder linear weights made FP8."""
-    save_model(config, path, seed=seed)
+             scale_dtype: torch.dtype = torch.float32, packed: bool = False) -> Path:
+    """A random model of ``config`` saved by save_pretrained, then its decoder linear weights made FP8. ``packed``:
+    experts in transformers' 3-D layout (``experts.gate_up_proj`` + ``experts.gate_up_proj_scale_inv``, one scale
+    per block of each expert), as transformers' FP8 experts hold them."""
+    save_model(config, path, seed=seed, packed=packed)
     files = sorted(path.glob("*.safetensors"))
     for file in files:
         state = load_file(file)
@@ -62,6 +70,9 @@ def save_fp8(config, path: Path, block: tuple[int, int] | None = (128, 128), *, 
             if key.endswith(".weight") and t.dim() == 2 and ".layers." in key and not _KEEP.search(key):
                 q, scale = fp8_quantize(t, block)
                 out[key], out[key[: -len("weight")] + "weight_scale_inv"] = q, scale.to(scale_dtype)
+            elif re.search(r"experts\.(gate_up_proj|up_proj|down_proj)$", key):
+                q, scale = fp8_quantize(t, block)
+                out[key], out[f"{key}_scale_inv"] = q, scale.to(scale_dtype)
             else:
                 out[key] = t
         save_file(out, file, metadata={"format": "pt"})

@@ -9,6 +9,7 @@ loaded by transformers as a plain checkpoint.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import shutil
@@ -49,8 +50,10 @@ def quantized(tmp_path_factory):
                 path = save_fp8(configs()["deepseek_v3"], root / kind, (128, 128))
             elif kind == "fp8-partial":  # expert hidden 22 in blocks of 16: a full and a partial block
                 path = save_fp8(configs(uneven=True)["deepseek_v3"], root / kind, (16, 16))
-            elif kind == "fp8-partial-plain":  # its values, dequantized here, as a plain fp32 checkpoint
-                path = _dequantized_copy(Path(get("fp8-partial")), root / kind)
+            elif kind == "fp8-packed":  # 3-D expert tensors with 3-D scales (transformers' FP8 experts)
+                path = save_fp8(configs(uneven=True)["deepseek_v3"], root / kind, (16, 16), packed=True)
+            elif kind.endswith("-plain"):  # its values, dequantized here, as a plain fp32 checkpoint
+                path = _dequantized_copy(Path(get(kind.removesuffix("-plain"))), root / kind)
             elif kind == "mxfp4":
                 path = save_mxfp4(gpt_oss_config(), root / kind)
             cache[kind] = str(path)
@@ -121,8 +124,7 @@ def _audit(path: str, results: list[dict]) -> dict:
                 want = Fp8Weight(key, f"{key}_scale_inv", info.shape, tuple(blocks), "F32").reads(box)[1]
                 assert (want[0], want[1]) in reads, (rank, key, box, want)
                 elements.setdefault(key, [0] * world)[rank] += math.prod(b - a for a, b in bounds)
-                covered = {(i, j) for i in range(want[1][0].start, want[1][0].stop)
-                           for j in range(want[1][1].start, want[1][1].stop)}
+                covered = set(itertools.product(*(range(x.start, x.stop) for x in want[1])))
                 scale_blocks.setdefault(want[0], {}).setdefault(rank, set()).update(covered)
             elif key.endswith("_blocks"):
                 e, o, g, _ = box
@@ -188,6 +190,14 @@ def test_fp8_partial_blocks(ranks, quantized, world):
     at TP 4 the row-split o_proj columns cut blocks too) against the values dequantized independently here."""
     path = quantized("fp8-partial")
     audit = _check(ranks(world).run(_compare, path, quantized("fp8-partial-plain")), path)
+    assert audit["shared_blocks"] > 0
+
+
+def test_fp8_packed_experts(ranks, quantized):
+    """Packed 3-D FP8 experts (E, 2I, H) with (E, blocks, blocks) scales, expert hidden 22 in blocks of 16, at
+    TP 2, against the values dequantized independently here."""
+    path = quantized("fp8-packed")
+    audit = _check(ranks(2).run(_compare, path, quantized("fp8-packed-plain")), path)
     assert audit["shared_blocks"] > 0
 
 
