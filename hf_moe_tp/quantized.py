@@ -168,7 +168,7 @@ class Fp8Weight:
     def read(self, read: Read, slices: tuple[slice, ...]) -> torch.Tensor:
         """``self[slices]`` dequantized, in fp32."""
         (wkey, wbox), (skey, sbox) = self.reads(slices)
-        values = read(wkey, wbox).to(torch.float32)
+        values = _fp8_to_float32(read(wkey, wbox))
         scale = _scale_values(read(skey, sbox), self.scale_dtype)
         if self.block is None:
             return values.mul_(scale.reshape(()))
@@ -201,8 +201,7 @@ class Mxfp4Weight:
         """``self[slices]`` dequantized, in fp32."""
         (bkey, bbox), (skey, sbox) = self.reads(slices)
         blocks, exponents = read(bkey, bbox), read(skey, sbox).to(torch.int32) - 127
-        lut = torch.tensor(E2M1, dtype=torch.float32)
-        values = torch.stack([lut[(blocks & 0x0F).int()], lut[(blocks >> 4).int()]], dim=-1).flatten(-2)
+        values = torch.index_select(_E2M1_PAIRS, 0, blocks.reshape(-1).int()).view(*blocks.shape[:-1], MX_GROUP)
         values = torch.ldexp(values, exponents.unsqueeze(-1)).flatten(-2)  # (e, outputs, groups * 32)
         (_, _), (i0, i1), (_, _) = _bounds(slices, self.shape)
         start = i0 - (i0 // MX_GROUP) * MX_GROUP
@@ -210,6 +209,23 @@ class Mxfp4Weight:
 
 
 Stored = Fp8Weight | Mxfp4Weight
+
+# each byte's two e2m1 values, low nibble first: one gather per byte
+_E2M1_PAIRS = torch.tensor([[E2M1[b & 0x0F], E2M1[b >> 4]] for b in range(256)], dtype=torch.float32)
+
+
+_FP8_TABLES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _fp8_to_float32(t: torch.Tensor) -> torch.Tensor:
+    """``t.to(torch.float32)`` through a table of the 256 values (torch's own conversion of each byte): torch's
+    elementwise FP8 conversion on CPU is about 10x slower (measured 24 ms against 2.4 ms for 1.5M elements)."""
+    table = _FP8_TABLES.get(t.dtype)
+    if table is None:
+        table = _FP8_TABLES[t.dtype] = torch.arange(256, dtype=torch.uint8).view(t.dtype).to(torch.float32)
+    if t.device.type != "cpu":
+        return t.to(torch.float32)
+    return torch.index_select(table, 0, t.reshape(-1).view(torch.uint8).int()).view(t.shape)
 
 
 def _scale_values(scale: torch.Tensor, dtype: str) -> torch.Tensor:

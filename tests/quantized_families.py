@@ -57,10 +57,12 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] 
 
 
 def save_fp8(config, path: Path, block: tuple[int, int] | None = (128, 128), *, seed: int = 0,
-             scale_dtype: torch.dtype = torch.float32, packed: bool = False) -> Path:
+             scale_dtype: torch.dtype = torch.float32, packed: bool = False, dtype: torch.dtype | None = None
+             ) -> Path:
     """A random model of ``config`` saved by save_pretrained, then its decoder linear weights made FP8. ``packed``:
     experts in transformers' 3-D layout (``experts.gate_up_proj`` + ``experts.gate_up_proj_scale_inv``, one scale
-    per block of each expert), as transformers' FP8 experts hold them."""
+    per block of each expert), as transformers' FP8 experts hold them. ``dtype``: the unquantized tensors' dtype
+    (the hub's are bf16; default: save_pretrained's fp32)."""
     save_model(config, path, seed=seed, packed=packed)
     files = sorted(path.glob("*.safetensors"))
     for file in files:
@@ -74,12 +76,12 @@ def save_fp8(config, path: Path, block: tuple[int, int] | None = (128, 128), *, 
                 q, scale = fp8_quantize(t, block)
                 out[key], out[f"{key}_scale_inv"] = q, scale.to(scale_dtype)
             else:
-                out[key] = t
+                out[key] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         save_file(out, file, metadata={"format": "pt"})
     _reindex(path)
     qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}
     qc["weight_block_size"] = list(block) if block is not None else None
-    _set_quantization_config(path, qc)
+    _set_quantization_config(path, qc, dtype)
     return path
 
 
@@ -139,7 +141,9 @@ def _reindex(path: Path) -> None:
     index.write_text(json.dumps(data, indent=2))
 
 
-def _set_quantization_config(path: Path, qc: dict) -> None:
+def _set_quantization_config(path: Path, qc: dict, dtype: torch.dtype | None = None) -> None:
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = qc
+    if dtype is not None:
+        config["dtype"] = str(dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(config, indent=2))
