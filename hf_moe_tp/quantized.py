@@ -64,8 +64,8 @@ def quantization_of(config: Any, where: str | Path = "config.json") -> Quantizat
     qc = _as_dict(getattr(config, "quantization_config", None))
     if not qc:
         return None
-    method = str(qc.get("quant_method", "?"))
-    method = getattr(method, "value", method)
+    method = qc.get("quant_method", "?")
+    method = str(getattr(method, "value", method))  # transformers' QuantizationMethod enum or its string
     if method not in SUPPORTED:
         raise ValueError(f"{where}: quantization_config.quant_method {method!r} is not read by hf_moe_tp; supported: "
                          f"{_supported()}. Load a bf16/fp32 checkpoint of the model instead")
@@ -303,8 +303,11 @@ def checkpoint_view(ckpt: Checkpoint, config: Any) -> CheckpointView:
     keys, before any read."""
     quant = quantization_of(config, ckpt.path / "config.json")
     tensors = dict(ckpt.tensors)
-    if quant is None:
-        scales = [k for k in tensors if k.endswith("_scale_inv") or k.endswith("_blocks")]
+    if quant is None:  # quantized tensors in a checkpoint that does not say so: never cast them silently
+        scales = [k for k, t in tensors.items()
+                  if (k.endswith("_scale_inv") and getattr(tensors.get(k.removesuffix("_scale_inv")), "dtype", None)
+                      in FP8_WEIGHTS)
+                  or (k.endswith("_blocks") and t.dtype == "U8" and f"{k.removesuffix('_blocks')}_scales" in tensors)]
         if scales:
             raise CheckpointError(f"{ckpt.path}: tensors such as {scales[0]} (in {tensors[scales[0]].file.name}) are "
                                   "quantization scales or blocks, but config.json declares no quantization_config")
