@@ -31,7 +31,6 @@ REFUSED = {
     "offload_folder": "disk offload is not supported; shard over more ranks instead",
     "offload_state_dict": "disk offload is not supported",
     "offload_buffers": "offload is not supported",
-    "quantization_config": "see quantized.refuse_requested: fp8 and mxfp4 with dequantize=True are taken",
     "load_in_8bit": "bitsandbytes quantization is not supported",
     "load_in_4bit": "bitsandbytes quantization is not supported",
     "gguf_file": "GGUF files are not read; use the safetensors checkpoint",
@@ -68,9 +67,8 @@ class Resolved:
 
 def refuse(kwargs: dict[str, Any]) -> None:
     """Raise ``ValueError`` naming every argument of ``kwargs`` that cannot apply here, and why (no I/O)."""
-    refused = [f"{k}={kwargs[k]!r} ({REFUSED[k]})" for k in REFUSED if kwargs.get(k) not in (None, False, {})
-               and k != "quantization_config"]
-    why = refuse_requested(kwargs.get("quantization_config"))  # the formats read here pass
+    refused = [f"{k}={kwargs[k]!r} ({REFUSED[k]})" for k in REFUSED if kwargs.get(k) not in (None, False, {})]
+    why = refuse_requested(kwargs.get("quantization_config"))  # FP8 / MXFP4 with dequantize=True pass
     if why is not None:
         refused.append(f"quantization_config={kwargs['quantization_config']!r} ({why})")
     if kwargs.get("use_safetensors") is False:
@@ -190,4 +188,5 @@ def _first_float_dtype(path: Path) -> torch.dtype | None:
 
     # compute dtypes only: an 8-bit float tensor (a quantized checkpoint's) says nothing about the model's dtype
     by_name = {name: dtype for dtype, name in ST_DTYPES.items() if dtype.is_floating_point and dtype.itemsize >= 2}
-    return next((by_name[t.dtype] for t in Checkpoint(path).tensors.values() if t.dtype in by_name), None)
+    return next((by_name[t.dtype] for key, t in Checkpoint(path).tensors.items()
+                 if t.dtype in by_name and not key.endswith("_scale_inv")), None)  # FP8 scales: fp32 whatever the model
