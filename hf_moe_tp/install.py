@@ -76,8 +76,6 @@ def _wrap(original):
         from .pretrained import from_pretrained as ours
 
         rest = {k: v for k, v in kwargs.items() if k not in ("tp_plan", "distributed_config", "device_mesh")}
-        if not set(rest.get("adapter_kwargs") or {}) - {"revision", "token"}:
-            rest.pop("adapter_kwargs", None)  # transformers' auto classes fill these in when no adapter was found
         layout = distributed_kwargs(kwargs.get("distributed_config"))
         # everything else (dtype, attn_implementation, config, hub options, refusals) as hf_moe_tp's own call
         return ours(pretrained_model_name_or_path, tp_plan=plan, device_mesh=kwargs.get("device_mesh"),
