@@ -653,7 +653,13 @@ def write_markdown(results: list[Result], path: Path, seconds: float) -> None:
     nfail = [r for r in results if r.native != "pass"]
     lines += ["", "## Why transformers' native TP fails", ""]
     lines += [f"- **{r.family}**: {r.native_reason or r.ours_reason}" for r in nfail] or ["None."]
-    path.write_text("\n".join(lines) + "\n")
+    old = path.read_text() if path.is_file() else ""
+    kept = old[old.index(KEPT_MARKER):] if KEPT_MARKER in old else ""  # hand-written sections below the marker
+    path.write_text("\n".join(lines) + "\n" + ("\n" + kept if kept else ""))
+
+
+# docs/models.md below this line is written by hand and kept when the table is regenerated
+KEPT_MARKER = "<!-- written by hand below; bench/coverage.py keeps it -->"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from .quantized import check_requested, quantization_of, refuse_requested
+
 # Hub download options: they go to huggingface_hub for a repo id (and are meaningless for a local directory,
 # as in transformers).
 HUB_OPTIONS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "proxies")
@@ -29,7 +31,6 @@ REFUSED = {
     "offload_folder": "disk offload is not supported; shard over more ranks instead",
     "offload_state_dict": "disk offload is not supported",
     "offload_buffers": "offload is not supported",
-    "quantization_config": "quantized checkpoints are not read yet (FP8 and MXFP4 are issue 15)",
     "load_in_8bit": "bitsandbytes quantization is not supported",
     "load_in_4bit": "bitsandbytes quantization is not supported",
     "gguf_file": "GGUF files are not read; use the safetensors checkpoint",
@@ -71,6 +72,9 @@ def refuse(kwargs: dict[str, Any]) -> None:
         kwargs = {**kwargs, "adapter_kwargs": {k: v for k, v in kwargs["adapter_kwargs"].items()
                                                if k not in HUB_OPTIONS}}
     refused = [f"{k}={kwargs[k]!r} ({REFUSED[k]})" for k in REFUSED if kwargs.get(k) not in (None, False, {})]
+    why = refuse_requested(kwargs.get("quantization_config"))  # FP8 / MXFP4 with dequantize=True pass
+    if why is not None:
+        refused.append(f"quantization_config={kwargs['quantization_config']!r} ({why})")
     if kwargs.get("use_safetensors") is False:
         refused.append("use_safetensors=False (only safetensors checkpoints are read)")
     experts = kwargs.get("experts_implementation")
@@ -88,6 +92,7 @@ def refuse(kwargs: dict[str, Any]) -> None:
 def resolve(path: str | os.PathLike, dtype: Any = None, **kwargs: Any) -> Resolved:
     """Apply transformers' ``from_pretrained`` keyword arguments, which :func:`refuse` has passed (the README's
     table)."""
+    requested_quantization = kwargs.pop("quantization_config", None)
     for k in (*REFUSED, *NO_OPS, "use_safetensors", "experts_implementation"):
         kwargs.pop(k, None)
     if "torch_dtype" in kwargs:  # transformers' older name
@@ -113,6 +118,8 @@ def resolve(path: str | os.PathLike, dtype: Any = None, **kwargs: Any) -> Resolv
         overrides[key] = value
     for key, value in overrides.items():
         setattr(config, key, value)
+    # the checkpoint's quantization: one hf_moe_tp reads (and the one asked for), or refused here, before any read
+    check_requested(requested_quantization, quantization_of(config, local / "config.json"), local / "config.json")
     return Resolved(local, config, torch_dtype(dtype, config, local), attn, generation_config,
                     strict=not (overrides or given))
 
@@ -185,4 +192,5 @@ def _first_float_dtype(path: Path) -> torch.dtype | None:
 
     # compute dtypes only: an 8-bit float tensor (a quantized checkpoint's) says nothing about the model's dtype
     by_name = {name: dtype for dtype, name in ST_DTYPES.items() if dtype.is_floating_point and dtype.itemsize >= 2}
-    return next((by_name[t.dtype] for t in Checkpoint(path).tensors.values() if t.dtype in by_name), None)
+    return next((by_name[t.dtype] for key, t in Checkpoint(path).tensors.items()
+                 if t.dtype in by_name and not key.endswith("_scale_inv")), None)  # FP8 scales: fp32 whatever the model

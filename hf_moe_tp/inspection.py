@@ -2,11 +2,14 @@
 
 The model is built on the meta device and the plan applied on a fake process group of ``tp`` ranks (torch's
 own testing backend: no communication, no processes), so placements come from the real styles. Per-rank bytes
-follow from the placements with torch's sharding arithmetic.
+follow from the placements with torch's sharding arithmetic: in memory, the parameters' local shards; on disk,
+what the loader's requests for those shards would read (for a quantized checkpoint, the quantized elements,
+blocks and scales covering each shard).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -21,7 +24,9 @@ from transformers import AutoConfig
 from model_patches import adapter_for
 
 from . import plans
-from .checkpoint import Checkpoint
+from .checkpoint import ST_DTYPES, Checkpoint
+from .conversions import model_keys, parameter_sources
+from .quantized import CheckpointView, checkpoint_view
 
 
 @dataclass
@@ -35,6 +40,8 @@ class Inspection:
     rank_bytes: list[int]
     total_bytes: int
     checkpoint_bytes: int
+    quantization: str | None = None
+    rank_disk_bytes: list[int] | None = None
 
 
 def inspect_checkpoint(path: str | Path, tp: int) -> Inspection:
@@ -46,6 +53,7 @@ def inspect_checkpoint(path: str | Path, tp: int) -> Inspection:
     path = Path(path)
     ckpt = Checkpoint(path)  # headers only
     config = AutoConfig.from_pretrained(path)
+    view = checkpoint_view(ckpt, config)  # quantized weights as what they stand for; other quantizations refused
     dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
     try:
         mesh = init_device_mesh("cpu", (tp,))
@@ -58,6 +66,7 @@ def inspect_checkpoint(path: str | Path, tp: int) -> Inspection:
             total += p.numel() * p.element_size()
             for rank in range(tp):
                 rank_bytes[rank] += _local_numel(p, mesh, rank) * p.element_size()
+        disk_bytes = _disk_bytes(model, view, ckpt, tp)
     finally:
         dist.destroy_process_group()
     experts = [m for m in model.modules() if hasattr(m, "checkpoint_layout")]
@@ -72,7 +81,48 @@ def inspect_checkpoint(path: str | Path, tp: int) -> Inspection:
         rank_bytes=rank_bytes,
         total_bytes=total,
         checkpoint_bytes=sum(f.stat().st_size for f in {i.file for i in ckpt.tensors.values()}),
+        quantization=view.quantization.describe() if view.quantization else None,
+        rank_disk_bytes=disk_bytes,
     )
+
+
+_ITEMSIZE = {name: dtype.itemsize for dtype, name in ST_DTYPES.items()} | {"F8_E8M0": 1}
+
+
+def _disk_bytes(model, view: CheckpointView, ckpt: Checkpoint, tp: int) -> list[int]:
+    """Bytes of the checkpoint each rank's load reads: the loader's own requests for every rank's boxes."""
+    to_ckpt = model_keys(model, list(view.tensors))
+    shapes = {name: view.tensors[key].shape for name, key in to_ckpt.items()}
+    targets = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if all(t is not seen for seen in targets.values()):
+            targets[name] = t
+    sources = view.sources(parameter_sources(model, targets, shapes), to_ckpt)
+    out = [0] * tp
+    for name, t in targets.items():
+        for rank in range(tp):
+            box = _box(t, tp, rank)
+            for source in sources.get(name, []):
+                request = source.request(tuple(t.shape), box)
+                if request is None:
+                    continue
+                for key, slices in request.reads(to_ckpt[request.key]):
+                    info = ckpt.tensors[key]
+                    numel = (math.prod(len(range(*s.indices(n))) for s, n in zip(slices, info.shape, strict=True))
+                             if slices else math.prod(info.shape))
+                    out[rank] += numel * _ITEMSIZE.get(info.dtype, 4)
+    return out
+
+
+def _box(p: torch.Tensor, tp: int, rank: int) -> tuple[tuple[int, int], ...]:
+    """The [start, stop) box of ``p`` that rank ``rank`` of the 1-D mesh holds."""
+    box = [(0, n) for n in p.shape]
+    if isinstance(p, DTensor):
+        for placement in p.placements:
+            if isinstance(placement, Shard):
+                size, offset = Shard.local_shard_size_and_offset(p.shape[placement.dim], tp, rank)
+                box[placement.dim] = (offset, offset + size)
+    return tuple(box)
 
 
 def _local_numel(p: torch.Tensor, mesh, rank: int) -> int:
@@ -123,7 +173,16 @@ def print_inspection(report: Inspection, tp: int) -> None:
     for pattern, style in report.plan.items():
         print(f"  {pattern:<{width}}  {style}")
     print("  every other parameter: replicated DTensor (LocalParams)")
-    print(f"parameters: {report.total_bytes / 2**20:.1f} MiB in all; "
-          f"checkpoint files {report.checkpoint_bytes / 2**20:.1f} MiB")
-    for rank, b in enumerate(report.rank_bytes):
-        print(f"  rank {rank}: {b / 2**20:.1f} MiB ({b / report.total_bytes:.2f} of the model)")
+    print(f"quantization: {report.quantization or 'none'}")
+    print(f"parameters: {_size(report.total_bytes)} in all; checkpoint files {_size(report.checkpoint_bytes)}")
+    disk = report.rank_disk_bytes or [0] * len(report.rank_bytes)
+    for rank, (b, d) in enumerate(zip(report.rank_bytes, disk, strict=True)):
+        print(f"  rank {rank}: {_size(b)} in memory ({b / report.total_bytes:.2f} of the model), reads "
+              f"{_size(d)} on disk ({d / report.checkpoint_bytes:.2f} of the files)")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from .checkpoint import Checkpoint, CheckpointError
 from .conversions import model_keys, parameter_sources
 from .experts import GroupedExperts
+from .quantized import Quantization, checkpoint_view
 from .sources import Box, Request
 
 # safetensors dtypes a floating parameter may be filled from (cast while copying)
@@ -42,6 +43,7 @@ class LoadReport:
     reads: list[tuple[str, tuple[slice, ...]]] = field(default_factory=list)
     bytes_read: int = 0
     seconds: float = 0.0
+    quantization: Quantization | None = None  # the checkpoint's, dequantized on read
 
 
 def load_checkpoint(
@@ -66,20 +68,22 @@ def load_checkpoint(
     threads = threads or default_threads()
     ckpt = Checkpoint(Path(path), record=record_reads)
     try:
-        to_ckpt = model_keys(model, ckpt.keys())
-        shapes = {name: ckpt.tensors[key].shape for name, key in to_ckpt.items()}
+        view = checkpoint_view(ckpt, getattr(model, "config", None))  # quantized weights as what they stand for
+        to_ckpt = model_keys(model, list(view.tensors))
+        shapes = {name: view.tensors[key].shape for name, key in to_ckpt.items()}
         device = _device(model)
         for module in model.modules():  # expert weights in their own layout (column-major or not)
             if isinstance(module, GroupedExperts):
                 module.materialize(device)
         targets = _targets(model)
-        sources = parameter_sources(model, targets, shapes)
-        used = {to_ckpt[s.key] for name in targets for s in sources.get(name, []) if s.key in to_ckpt}
+        sources = view.sources(parameter_sources(model, targets, shapes), to_ckpt)
+        used = view.storage_keys({to_ckpt[s.key] for name in targets for s in sources.get(name, [])
+                                  if s.key in to_ckpt})
         unexpected = sorted(set(ckpt.keys()) - used)
         ignorable = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
         surprising = [k for k in unexpected if not any(p.search(k) for p in ignorable)]
         model_type = getattr(getattr(model, "config", None), "model_type", "?")
-        _check(targets, sources, shapes, to_ckpt, ckpt, surprising, model_type)
+        _check(targets, sources, shapes, to_ckpt, ckpt.path, view.tensors, surprising, model_type)
         if surprising and strict:
             shown = ", ".join(f"{k} (in {ckpt.tensors[k].file.name})" for k in surprising[:5])
             more = f" and {len(surprising) - 5} more" if len(surprising) > 5 else ""
@@ -107,13 +111,15 @@ def load_checkpoint(
             def run(job: tuple[Request, torch.Tensor]) -> None:
                 request, local = job
                 with torch.no_grad():  # grad mode is per thread
-                    request.place(ckpt.read(to_ckpt[request.key], request.read), local)
+                    request.place(request.fetch(ckpt.read, to_ckpt[request.key]), local)
                 bar.update()
 
             for _ in pool.map(run, jobs):
                 pass
         if hasattr(model, "tie_weights"):
             model.tie_weights()
+        if view.quantization is not None:  # the model now holds plain weights: it saves as a plain checkpoint
+            del model.config.quantization_config
         if unexpected and _rank() == 0:
             shown = ", ".join(unexpected[:8]) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
             logger.warning("%s: %d checkpoint tensors are not used by the model: %s", path, len(unexpected), shown)
@@ -123,6 +129,7 @@ def load_checkpoint(
             reads=list(ckpt.reads),
             bytes_read=ckpt.bytes_read,
             seconds=time.perf_counter() - start,
+            quantization=view.quantization,
         )
     finally:
         ckpt.close()
@@ -156,7 +163,8 @@ def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _check(targets, sources, shapes, to_ckpt, ckpt: Checkpoint, unexpected: list[str], model_type: str) -> None:
+def _check(targets, sources, shapes, to_ckpt, path: Path, tensors: dict, unexpected: list[str], model_type: str
+           ) -> None:
     missing = [n for n in targets if n not in sources]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
@@ -164,16 +172,16 @@ def _check(targets, sources, shapes, to_ckpt, ckpt: Checkpoint, unexpected: list
         if unexpected:  # missing and surplus tensors together: most likely another model's checkpoint
             hint = (f"; and {len(unexpected)} checkpoint tensors match no parameter (e.g. {unexpected[0]}): is this "
                     f"a checkpoint of the model config.json describes (model_type {model_type!r})?")
-        raise CheckpointError(f"{ckpt.path}: {len(missing)} parameters have no tensor in the checkpoint: "
+        raise CheckpointError(f"{path}: {len(missing)} parameters have no tensor in the checkpoint: "
                               f"{shown}{hint}")
     for name, srcs in sources.items():
         if name not in targets:
             continue
         for s in srcs:
             if s.key not in shapes:
-                raise CheckpointError(f"{ckpt.path}: {name} needs checkpoint tensor {s.key}, which is missing")
+                raise CheckpointError(f"{path}: {name} needs checkpoint tensor {s.key}, which is missing")
             found = tuple(shapes[s.key])
-            info = ckpt.tensors[to_ckpt[s.key]]
+            info = tensors[to_ckpt[s.key]]
             file = info.file
             if targets[name].is_floating_point() and info.dtype not in FLOAT_DTYPES:
                 raise CheckpointError(f"{file}: tensor {to_ckpt[s.key]} is {info.dtype}, which cannot be cast to "

@@ -100,8 +100,9 @@ def from_pretrained(
     (:mod:`hf_moe_tp.hf_arguments`, the README's table): ``dtype`` as a name or ``"auto"``,
     ``attn_implementation``, ``config`` (object or path), config attributes as overrides, ``revision``,
     ``cache_dir``, ``token``, ``local_files_only``, ``subfolder``, ``trust_remote_code`` (native classes only),
-    ``generation_config``, ``use_safetensors``; ``device_map``, ``quantization_config``, ``load_in_8bit`` and
-    the like are refused, naming the argument.
+    ``generation_config``, ``use_safetensors``, ``quantization_config`` (FP8 or MXFP4 with ``dequantize=True``);
+    ``device_map``, ``load_in_8bit`` and the like are refused, naming the argument. Quantized checkpoints (FP8
+    block-scaled, MXFP4) are dequantized on read to ``dtype`` (:mod:`hf_moe_tp.quantized`); others are refused.
 
     Failures never leave a rank waiting: whatever fails on any rank (a bad file, a read error on one rank, a
     mesh that leaves this rank out), every rank raises :class:`LoadError` naming each failed rank's error.

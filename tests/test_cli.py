@@ -48,7 +48,9 @@ def test_inspect_reads_no_weights(deepseek):
     assert "family: deepseek_v3" in out and "adapter: generic" in out and "per-expert keys on disk" in out
     assert re.search(r"model\.layers\.\*\.mlp\.experts\s+TensorParallel\(\)", out)
     assert re.search(r"model\.layers\.\*\.mlp\.gate\s+NoParallel\(\)", out)
-    assert re.search(r"rank 0: .* MiB \(0\.\d\d of the model\)", out) and "rank 1:" in out
+    assert re.search(r"rank 0: [\d.]+ (K|M|G)iB in memory \(0\.\d\d of the model\), reads [\d.]+ (K|M|G)iB on disk "
+                     r"\(0\.\d\d of the files\)", out) and "rank 1:" in out
+    assert "quantization: none" in out
 
 
 def test_generate_starts_its_own_ranks(deepseek):
