@@ -51,8 +51,8 @@ def count_bytes():
     volume: collections.Counter = collections.Counter()
     inside = threading.local()
     patched = []
-    targets = ((dist, ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-                       "all_to_all_single", "broadcast")),
+    targets = ((dist, ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                       "reduce_scatter_tensor", "all_to_all_single", "broadcast")),
                (funcol, ("all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor",
                          "reduce_scatter_single", "all_to_all_single", "all_to_all_single_autograd", "broadcast")),
                (hf_ep, ("all_gather_into_tensor", "all_to_all_single", "all_to_all_single_autograd")))

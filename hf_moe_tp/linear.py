@@ -105,7 +105,7 @@ class _GatherLastDim(torch.autograd.Function):
         ctx.rank, ctx.width = rank, t.shape[-1]
         t = t.contiguous()
         parts = t.new_empty((size * t.shape[0], *t.shape[1:]))  # the ranks' tensors one after another in dim 0
-        torch.distributed.all_gather_into_tensor(parts, t, group=group)
+        torch.distributed.all_gather_single(parts, t, group=group)
         return torch.cat(parts.chunk(size), dim=-1)
 
     @staticmethod
