@@ -79,22 +79,26 @@ def check_gradient_reduction(model: nn.Module) -> None:
 def save_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, folder: str | os.PathLike) -> None:
     """Save ``model``'s (and ``optimizer``'s) sharded state with torch DCP, each rank its own shards."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer or [])
-    state = {"model": model_state} if optimizer is None else {"model": model_state, "optim": optim_state}
-    dcp.save(state, checkpoint_id=str(folder))
+    dcp.save(_state(model, optimizer), checkpoint_id=str(folder))
 
 
 def load_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, folder: str | os.PathLike) -> None:
     """Load what :func:`save_state` wrote into ``model`` (and ``optimizer``), at whatever layout they now have."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer or [])
-    state = {"model": model_state} if optimizer is None else {"model": model_state, "optim": optim_state}
+    state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer or [], model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    """DCP's state dicts of ``model`` (and ``optimizer``), keyed "model" (and "optim")."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer or [])
+    return {"model": model_state} if optimizer is None else {"model": model_state, "optim": optim_state}
 
 
 def _state_folder(checkpoint: str | os.PathLike) -> str:
