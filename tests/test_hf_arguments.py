@@ -213,27 +213,19 @@ def test_arguments_without_effect_are_accepted(ranks, mixtral):
 
 
 def _refusal(path: str, kwargs: dict, installed: bool) -> tuple[str, str]:
-    from hf_moe_tp import checkpoint
+    from spies import checkpoint_opens
 
-    opened = []
-    original = checkpoint.Checkpoint.__init__
-
-    def spy(self, *args, **kw):
-        opened.append(1)
-        original(self, *args, **kw)
-
-    checkpoint.Checkpoint.__init__ = spy
-    try:
-        if installed:
-            hf_moe_tp.install()
-            AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", **kwargs)
-        else:
-            hf_moe_tp.from_pretrained(path, **kwargs)
-    except ValueError as e:
-        return type(e).__name__, f"{e} (opened {len(opened)})"
-    finally:
-        checkpoint.Checkpoint.__init__ = original
-        hf_moe_tp.uninstall()
+    with checkpoint_opens() as opened:
+        try:
+            if installed:
+                hf_moe_tp.install()
+                AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", **kwargs)
+            else:
+                hf_moe_tp.from_pretrained(path, **kwargs)
+        except ValueError as e:
+            return type(e).__name__, f"{e} (opened {len(opened)})"
+        finally:
+            hf_moe_tp.uninstall()
     return "loaded", ""
 
 

@@ -345,22 +345,13 @@ def test_mxfp4_boxes_read_what_covers_them():
 
 
 def _error(path: str, kwargs: dict) -> str:
-    from hf_moe_tp import checkpoint
+    from spies import checkpoint_opens
 
-    opened = []
-    original = checkpoint.Checkpoint.__init__
-
-    def spy(self, *args, **kw):
-        opened.append(1)
-        original(self, *args, **kw)
-
-    checkpoint.Checkpoint.__init__ = spy
-    try:
-        hf_moe_tp.from_pretrained(path, **kwargs)
-    except (hf_moe_tp.pretrained.LoadError, ValueError) as e:
-        return f"{type(e).__name__}: {e} (opened {len(opened)})"
-    finally:
-        checkpoint.Checkpoint.__init__ = original
+    with checkpoint_opens() as opened:
+        try:
+            hf_moe_tp.from_pretrained(path, **kwargs)
+        except (hf_moe_tp.pretrained.LoadError, ValueError) as e:
+            return f"{type(e).__name__}: {e} (opened {len(opened)})"
     return "loaded"
 
 
