@@ -13,10 +13,11 @@ What the Trainer gets wrong for such models is mended here, for hf_moe_tp models
 - Checkpoints: transformers refuses optimizer state for models sharded at load time (it would save the optimizer
   from rank 0 alone). For ours, model and optimizer state are saved with torch DCP, each rank writing its shards
   (``<checkpoint>/hf_moe_tp_state``), and ``resume_from_checkpoint`` and ``load_best_model_at_end`` read them
-  back. This is a patch of five Trainer methods, installed when the first model is declared; each calls the
-  original for any other model, and ``tests/test_trainer.py`` fails once transformers stops refusing.
+  back. With the evaluation loop's (predictions, below), six Trainer methods are patched, when the first model
+  is declared; each calls the original for any other model, and ``tests/test_trainer.py`` fails once
+  transformers stops refusing.
 - Predictions: accelerate's ``gather_for_metrics`` takes every rank's copy of a batch, so a TP group would
-  return each row tp times; the Trainer's accelerator gathers one copy per TP group instead.
+  return each row tp times; the Trainer's evaluation loop gathers one copy per TP group instead.
 - A layout whose data-parallel ranks would not average their gradients under the Trainer is refused.
 
 On CPU processes accelerate refuses any ``ParallelismConfig``: :mod:`hf_moe_tp.accelerate_cpu`.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -146,24 +148,25 @@ def _install() -> None:
         if wrapper:  # accelerate would shard the sharded model again (on CPU it leaves fsdp out without a word)
             raise ValueError(f"{wrapper[0]} (TrainingArguments or the accelerate config) with an hf_moe_tp model, "
                              f"which is sharded already: leave it unset; FSDP2 comes with from_pretrained(fsdp_size=)")
-        _gather_metrics_once_per_tp_group(trainer, model)
+        trainer.hf_moe_tp_gather = _gather_once_per_tp_group(trainer, model)
 
     patch("__init__", init, model_of=lambda self, model=None, *args, **kwargs: model)
     patch("_save_optimizer_and_scheduler", _save_optimizer_and_scheduler)
     patch("_load_optimizer_and_scheduler", _load_optimizer_and_scheduler)
     patch("_load_from_checkpoint", _load_from_checkpoint)
     patch("_load_best_model", _load_best_model)
+    patch("evaluation_loop", _evaluation_loop)
 
 
-def _gather_metrics_once_per_tp_group(trainer: Any, model: nn.Module) -> None:
-    """Make ``trainer.accelerator.gather_for_metrics`` (predictions and labels of evaluate / predict) take each
-    batch once: accelerate gathers every rank's copy, so a TP group's ranks, which hold the same batch, would
-    return it tp times over. The gathered tensors are the ranks' blocks in rank order, a TP group's ranks
-    consecutive (checked), so each group's first block is kept."""
+def _gather_once_per_tp_group(trainer: Any, model: nn.Module) -> Callable | None:
+    """The gather the evaluation loop should use (predictions, labels, losses): accelerate's
+    ``gather_for_metrics`` takes every rank's copy, so a TP group's ranks, which hold the same batch, would return
+    it tp times over. The gathered tensors are the ranks' blocks in rank order, a TP group's ranks consecutive
+    (checked), so each group's first block is kept. None where TP is 1. Only the evaluation loop uses it: the
+    other callers of ``gather_for_metrics`` (TRL's token counts) divide by the TP size themselves."""
     tp = getattr(model, "_tp_size", None) or 1
-    accelerator = trainer.accelerator
     if tp == 1:
-        return
+        return None
     if trainer.args.eval_use_gather_object:
         raise ValueError("eval_use_gather_object=True with a tensor-parallel hf_moe_tp model: accelerate's "
                          "gather_object would return each batch once per TP rank; leave it False")
@@ -171,6 +174,7 @@ def _gather_metrics_once_per_tp_group(trainer: Any, model: nn.Module) -> None:
     if ranks != list(range(ranks[0], ranks[0] + tp)) or ranks[0] % tp:
         raise ValueError(f"the TP group of rank {dist.get_rank()} is ranks {ranks}: accelerate hands the same batches "
                          f"to blocks of {tp} consecutive ranks, so the Trainer needs TP as the last mesh dimension")
+    accelerator = trainer.accelerator
     gather_for_metrics = accelerator.gather_for_metrics
 
     def leaders_only(data: Any) -> Any:
@@ -181,14 +185,19 @@ def _gather_metrics_once_per_tp_group(trainer: Any, model: nn.Module) -> None:
 
     @functools.wraps(gather_for_metrics)
     def once_per_tp_group(input_data: Any, use_gather_object: bool = False) -> Any:
-        accelerator.gather = leaders_only  # for this call only: the Trainer's other gathers count every rank
+        accelerator.gather = leaders_only  # for this call only: gather_for_metrics trims the last batch after it
         try:
             return gather_for_metrics(input_data, use_gather_object)
         finally:
             del accelerator.gather
 
-    accelerator.gather_for_metrics = once_per_tp_group
-    trainer.gather_function = once_per_tp_group  # the Trainer's copy, taken when it made the accelerator
+    return once_per_tp_group
+
+
+def _evaluation_loop(trainer: Any, original, *args: Any, **kwargs: Any) -> Any:
+    if trainer.hf_moe_tp_gather is not None:
+        trainer.gather_function = trainer.hf_moe_tp_gather  # the loop puts back gather_for_metrics when it ends
+    return original(trainer, *args, **kwargs)
 
 
 def _save_optimizer_and_scheduler(trainer: Any, original, output_dir: str) -> None:
