@@ -49,6 +49,7 @@ layers whose style this module does not know.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import os
@@ -161,6 +162,11 @@ def check_config(config: Any) -> None:
         raise UnsupportedLoraError(f"LoraConfig(init_lora_weights={init!r}) on the tensor-parallel model: supported "
                                    f"are {SUPPORTED_INITS}; initialisations that read the base weights are not "
                                    "placed on sharded weights")
+    variants = [f.name for f in dataclasses.fields(config)
+                if f.metadata.get("is_lora_variant") and getattr(config, f.name)]
+    if variants:
+        raise UnsupportedLoraError(f"LoraConfig {', '.join(f'{v}={getattr(config, v)!r}' for v in variants)} on the "
+                                   "tensor-parallel model: LoRA variants (DoRA and the like) are not supported there")
     if config.target_parameters:
         raise UnsupportedLoraError(
             f"LoraConfig target_parameters {sorted(config.target_parameters)} on the tensor-parallel model: LoRA on "
@@ -231,6 +237,9 @@ def _draw_whole(layer: nn.Module, adapter: str, config: Any, in_features: int, o
     """New ``lora_A``/``lora_B`` at the whole shapes, initialised as PEFT's ``update_layer`` does (its own
     ``reset_lora_parameters``), in the old adapters' dtype and device, gradients required as before."""
     old_a, old_b = layer.lora_A[adapter], layer.lora_B[adapter]
+    if old_a.weight.device.type == "meta":
+        raise UnsupportedLoraError("LoRA adapters made on the meta device (low_cpu_mem_usage=True) on the "
+                                   "tensor-parallel model: create them with low_cpu_mem_usage=False")
     r = old_a.out_features
     a, b = nn.Linear(in_features, r, bias=False), nn.Linear(r, out_features, bias=old_b.bias is not None)
     layer.lora_A[adapter], layer.lora_B[adapter] = a, b

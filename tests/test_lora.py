@@ -1,0 +1,230 @@
+"""LoRA through PEFT on the tensor-parallel model (hf_moe_tp/lora.py): the same training as one process, the
+adapters placed like their base layers, saved in PEFT's format, merged into a hub checkpoint; refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_training import batches, checkpoints, layout_model, run_steps  # noqa: F401 - checkpoints: a fixture
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from transformers import AutoModelForCausalLM
+
+STEPS = 3
+TOL = 1e-5
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# Qwen2-MoE: attention, the shared expert's MLP (column- and row-wise) and its gate (a replicated Linear)
+QWEN2_MOE = ATTENTION + ["gate_proj", "up_proj", "down_proj", "shared_expert_gate"]
+# DeepSeek-V3's MLA attention: q_a_proj, kv_a_proj_with_mqa (whole; its rotary part's gradient summed), q_b_proj,
+# kv_b_proj (column-wise), o_proj (row-wise). (PEFT turns gate_proj/up_proj/down_proj into expert parameters here.)
+DEEPSEEK_V3 = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+
+# B drawn too (init_lora_weights=False), so the adapters count in the very first forward; dropout where the
+# replicas hold the same rows (data-parallel replicas draw for their own rows, as the base model's dropout does)
+CASES = {
+    "mixtral-tp2": ("mixtral", 2, {}, dict(target_modules=ATTENTION, init_lora_weights=False, lora_dropout=0.1)),
+    "qwen2_moe-tp2": ("qwen2_moe", 2, {}, dict(target_modules=QWEN2_MOE, init_lora_weights=False, lora_dropout=0.1)),
+    "qwen2_moe-tp4": ("qwen2_moe", 4, {}, dict(target_modules=QWEN2_MOE, init_lora_weights=False, lora_dropout=0.1)),
+    "deepseek_v3-tp2": ("deepseek_v3", 2, {}, dict(target_modules=DEEPSEEK_V3, init_lora_weights=False,
+                                                   lora_dropout=0.1)),
+    "deepseek_v3-tp4": ("deepseek_v3", 4, {}, dict(target_modules=DEEPSEEK_V3, init_lora_weights=False)),
+    "qwen2_moe-dp2_tp2": ("qwen2_moe", 4, dict(fsdp_size=2), dict(target_modules=QWEN2_MOE, init_lora_weights=False)),
+}
+
+
+def lora_layers(model) -> dict:
+    from peft.tuners.lora import Linear
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+
+
+def placement_report(model) -> dict:
+    """Each adapter's split against its base weight's TP split, the initial draw's range against PEFT's bounds
+    at the whole shapes (kaiming-uniform: |A| <= 1/sqrt(in); nn.Linear's B: |B| <= 1/sqrt(r)), and a checksum of
+    every whole adapter (compared across ranks)."""
+    wrong, sums, ranges = [], [], []
+    for name, layer in lora_layers(model).items():
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        base = layer.get_base_layer().weight
+        tp = base.device_mesh.mesh_dim_names.index("tp") if base.device_mesh.ndim > 1 else 0
+        split = base.placements[tp] if base.device_mesh.size(tp) > 1 else Replicate()
+        if isinstance(split, Shard) and split.dim == 1:
+            want = (Shard(1), Replicate())
+        elif isinstance(split, Shard):
+            want = (Replicate(), Shard(0))
+        else:
+            want = (Replicate(), Replicate())
+        whole = a.shape == (4, base.shape[1]) and b.shape == (base.shape[0], 4)
+        if (a.placements[tp], b.placements[tp]) != want or not whole:
+            wrong.append((name, a.placements, b.placements, tuple(a.shape), tuple(b.shape)))
+        whole_a, whole_b = a.full_tensor(), b.full_tensor()
+        sums.append((whole_a.double().sum().item(), whole_b.double().sum().item()))
+        ranges.append((whole_a.abs().max().item() * base.shape[1] ** 0.5, whole_b.abs().max().item() * 2))
+    return {"wrong": wrong, "sums": sums, "ranges": ranges}
+
+
+def _lora_training(path: str, layout: dict, lora: dict, steps: int = STEPS) -> dict:
+    """PEFT LoRA at a layout, ranks seeded differently; then, from one process's adapters, AdamW steps with one
+    clip_grad_norm_ call, against one process on the whole batch; the trained adapters against its."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+    torch.manual_seed(100 + dist.get_rank())  # as data-parallel scripts seed: differently per rank
+    model = get_peft_model(layout_model(path, layout), LoraConfig(r=4, **lora))
+    report = placement_report(model)
+    sums: list = [None] * dist.get_world_size()
+    dist.all_gather_object(sums, report["sums"])
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train()
+    ref = get_peft_model(ref, LoraConfig(r=4, **lora))
+    set_peft_model_state_dict(model, get_peft_model_state_dict(ref))  # both start from one process's adapters
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    data = batches(model.config.vocab_size, steps)
+    torch.manual_seed(7)  # the dropout streams
+    loss, norm = run_steps(model, torch.optim.AdamW(trainable, lr=1e-2), data)
+
+    torch.manual_seed(7)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    ref_loss, ref_norm = [], []
+    for ids in data:
+        out = ref(ids, labels=ids).loss
+        out.backward()
+        ref_norm.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_loss.append(out.item())
+    want = get_peft_model_state_dict(ref)
+    got = {k.replace(".default.", "."): v.full_tensor() for k, v in model.state_dict().items() if "lora_" in k}
+    return {"loss": loss, "ref_loss": ref_loss, "norm": norm, "ref_norm": ref_norm,
+            "weights": max((got[k] - want[k]).abs().max().item() for k in want), "same_keys": set(got) == set(want),
+            "layers": len(lora_layers(model)), "meshes": len({p.device_mesh for p in trainable}),
+            "all_dtensor": all(isinstance(p, DTensor) for p in trainable),
+            "ranks_agree": all(s == sums[0] for s in sums),
+            **report}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_lora_trains_as_one_process(ranks, checkpoints, case):  # noqa: F811 - the fixture
+    """Attention, dense and shared-expert projections (column- and row-wise), MLA's kv_a_proj and a replicated
+    gate: per-step loss and clipped total norm within 1e-5 of one process over 3 AdamW steps, the trained
+    adapters equal to its. The adapters are DTensors on one mesh, split like their base weights, drawn once for
+    all ranks (ranks seeded differently agree) at the whole shapes' bounds."""
+    family, world, layout, lora = CASES[case]
+    results = ranks(world).run(_lora_training, checkpoints(family), layout, lora)
+    for r in results:
+        assert r["layers"] >= 4 and r["same_keys"], r
+        assert r["all_dtensor"] and r["meshes"] == 1 and not r["wrong"] and r["ranks_agree"], r
+        assert all(0.5 < a <= 1.0 and b <= 1.0 for a, b in r["ranges"]), r["ranges"]
+        loss = max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"], strict=True))
+        norm = max(abs(a - b) for a, b in zip(r["norm"], r["ref_norm"], strict=True))
+        assert loss <= TOL and norm <= TOL and r["weights"] <= TOL, (loss, norm, r["weights"], r)
+        assert len(set(r["loss"])) == STEPS  # the adapters train
+
+
+def _save_merge(path: str, layout: dict, out: str) -> dict:
+    """A trained adapter saved through PEFT on every rank (only rank 0 may write), loaded back into a fresh TP
+    model, merged into the TP model and saved as a hub checkpoint; the logits of each."""
+    import peft.peft_model
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    import hf_moe_tp
+
+    torch.manual_seed(0)
+    model = get_peft_model(layout_model(path, layout), LoraConfig(r=4, target_modules=QWEN2_MOE,
+                                                                   init_lora_weights=False))
+    data = batches(model.config.vocab_size, 2)
+    run_steps(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2), data)
+    if dist.get_rank() != 0:
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"rank {dist.get_rank()} wrote adapter files")
+
+        peft.peft_model.safe_save_file = refuse
+    model.eval().save_pretrained(f"{out}/adapter")
+    ids = data[0]
+    with torch.no_grad():
+        logits = model(ids).logits
+        loaded = PeftModel.from_pretrained(layout_model(path, layout).eval(), f"{out}/adapter")
+        reloaded = loaded(ids).logits
+        merged = model.merge_and_unload()
+        merged_logits = merged(ids).logits
+    hf_moe_tp.save_pretrained(merged, f"{out}/merged")
+    return {"logits": logits, "reloaded": (reloaded - logits).abs().max().item(),
+            "merged": (merged_logits - logits).abs().max().item(), "ids": ids,
+            "unwrapped": not any("lora" in n for n, _ in merged.named_parameters())}
+
+
+@pytest.mark.parametrize("layout", [{}, dict(fsdp_size=2)], ids=["tp2", "dp2_tp2"])
+def test_lora_save_load_merge(ranks, checkpoints, tmp_path, layout):  # noqa: F811 - the fixture
+    """PeftModel.save_pretrained on every rank writes PEFT's files once (rank 0; the others' writes would
+    raise), whole tensors under hub names, no temporary folder left; plain transformers + PEFT in one process
+    loads them and gives the TP model's logits; so does PeftModel.from_pretrained on a fresh TP model;
+    merge_and_unload gives the merged TP model (its logits), whose hf_moe_tp.save_pretrained transformers loads."""
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    path = checkpoints("qwen2_moe")
+    world = 4 if layout else 2
+    results = ranks(world).run(_save_merge, path, layout, str(tmp_path))
+    adapter = tmp_path / "adapter"
+    assert sorted(p.name for p in adapter.iterdir()) == ["README.md", "adapter_config.json",
+                                                          "adapter_model.safetensors"]
+    base = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - safe_open's API
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    o = "base_model.model.model.layers.0.self_attn.o_proj"
+    assert shapes[f"{q}.lora_B.weight"] == (base.model.layers[0].self_attn.q_proj.out_features, 4), shapes
+    assert shapes[f"{o}.lora_A.weight"] == (4, base.model.layers[0].self_attn.o_proj.in_features), shapes
+    ref = PeftModel.from_pretrained(base, adapter).eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", experts_implementation="eager").eval()
+    with torch.no_grad():
+        expected = ref(results[0]["ids"]).logits
+        from_merged = merged(results[0]["ids"]).logits
+    for r in results:
+        assert (r["logits"] - expected).abs().max().item() <= TOL
+        assert (from_merged - r["logits"]).abs().max().item() <= TOL
+        assert r["reloaded"] <= TOL and r["merged"] <= TOL and r["unwrapped"], r
+
+
+REFUSED = {
+    "all-linear": (dict(target_modules="all-linear"), "target_parameters"),
+    "pissa": (dict(target_modules=ATTENTION, init_lora_weights="pissa"), "init_lora_weights='pissa'"),
+    "dora": (dict(target_modules=ATTENTION, use_dora=True), "use_dora=True"),
+    "embedding": (dict(target_modules=["embed_tokens"]), "only linear layers"),
+}
+
+
+def _refused(path: str, lora: dict) -> str | None:
+    from peft import LoraConfig, get_peft_model
+
+    from hf_moe_tp.lora import UnsupportedLoraError
+
+    try:
+        get_peft_model(layout_model(path, {}), LoraConfig(r=4, **lora))
+    except UnsupportedLoraError as e:
+        return str(e)
+    return None
+
+
+def _other_method_refused(path: str) -> str | None:
+    from peft import LoHaConfig, get_peft_model
+
+    from hf_moe_tp.lora import UnsupportedLoraError
+
+    try:
+        get_peft_model(layout_model(path, {}), LoHaConfig(r=4, target_modules=ATTENTION))
+    except UnsupportedLoraError as e:
+        return str(e)
+    return None
+
+
+def test_lora_refusals(ranks, checkpoints):  # noqa: F811 - the fixture
+    """What is not placed on the TP model is refused by name on every rank: target_parameters (which PEFT makes
+    of 'all-linear' on Mixtral), base-weight initialisations, LoRA variants, embeddings, other PEFT methods."""
+    path = checkpoints("mixtral")
+    for case, (lora, named) in REFUSED.items():
+        for message in ranks(2).run(_refused, path, lora):
+            assert message is not None and named in message, (case, message)
+    for message in ranks(2).run(_other_method_refused, path):
+        assert message is not None and "LoHaModel" in message, message
