@@ -14,22 +14,26 @@ STEPS = 3
 TOL = 1e-5
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-# Qwen2-MoE: attention, the shared expert's MLP (column- and row-wise) and its gate (a replicated Linear)
+# Qwen2-MoE: attention, the shared expert's MLP and its gate (transformers' plan leaves both whole: replicated)
 QWEN2_MOE = ATTENTION + ["gate_proj", "up_proj", "down_proj", "shared_expert_gate"]
-# DeepSeek-V3's MLA attention: q_a_proj, kv_a_proj_with_mqa (whole; its rotary part's gradient summed), q_b_proj,
-# kv_b_proj (column-wise), o_proj (row-wise). (PEFT turns gate_proj/up_proj/down_proj into expert parameters here.)
-DEEPSEEK_V3 = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+# Llama 4 (packed experts): attention and the shared expert, split column- and row-wise by transformers' plan
+LLAMA4 = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
+# DeepSeek-V2's MLA attention, split by heads: q_proj and kv_b_proj column-wise, kv_a_proj_with_mqa whole (its
+# rotary part's gradient summed), o_proj row-wise. (On DeepSeek and Mixtral-like families PEFT turns the names
+# gate_proj/up_proj/down_proj into the routed experts' parameters, even for the shared experts and dense layers.)
+DEEPSEEK_V2 = ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 
 # B drawn too (init_lora_weights=False), so the adapters count in the very first forward; dropout where the
 # replicas hold the same rows (data-parallel replicas draw for their own rows, as the base model's dropout does)
 CASES = {
     "mixtral-tp2": ("mixtral", 2, {}, dict(target_modules=ATTENTION, init_lora_weights=False, lora_dropout=0.1)),
     "qwen2_moe-tp2": ("qwen2_moe", 2, {}, dict(target_modules=QWEN2_MOE, init_lora_weights=False, lora_dropout=0.1)),
-    "qwen2_moe-tp4": ("qwen2_moe", 4, {}, dict(target_modules=QWEN2_MOE, init_lora_weights=False, lora_dropout=0.1)),
-    "deepseek_v3-tp2": ("deepseek_v3", 2, {}, dict(target_modules=DEEPSEEK_V3, init_lora_weights=False,
+    "llama4-tp2": ("llama4", 2, {}, dict(target_modules=LLAMA4, init_lora_weights=False, lora_dropout=0.1)),
+    "llama4-tp4": ("llama4", 4, {}, dict(target_modules=LLAMA4, init_lora_weights=False, lora_dropout=0.1)),
+    "deepseek_v2-tp2": ("deepseek_v2", 2, {}, dict(target_modules=DEEPSEEK_V2, init_lora_weights=False,
                                                    lora_dropout=0.1)),
-    "deepseek_v3-tp4": ("deepseek_v3", 4, {}, dict(target_modules=DEEPSEEK_V3, init_lora_weights=False)),
-    "qwen2_moe-dp2_tp2": ("qwen2_moe", 4, dict(fsdp_size=2), dict(target_modules=QWEN2_MOE, init_lora_weights=False)),
+    "deepseek_v2-tp4": ("deepseek_v2", 4, {}, dict(target_modules=DEEPSEEK_V2, init_lora_weights=False)),
+    "llama4-dp2_tp2": ("llama4", 4, dict(fsdp_size=2), dict(target_modules=LLAMA4, init_lora_weights=False)),
 }
 
 
@@ -43,7 +47,7 @@ def placement_report(model) -> dict:
     """Each adapter's split against its base weight's TP split, the initial draw's range against PEFT's bounds
     at the whole shapes (kaiming-uniform: |A| <= 1/sqrt(in); nn.Linear's B: |B| <= 1/sqrt(r)), and a checksum of
     every whole adapter (compared across ranks)."""
-    wrong, sums, ranges = [], [], []
+    wrong, sums, ranges, kinds = [], [], [], set()
     for name, layer in lora_layers(model).items():
         a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
         base = layer.get_base_layer().weight
@@ -55,13 +59,15 @@ def placement_report(model) -> dict:
             want = (Replicate(), Shard(0))
         else:
             want = (Replicate(), Replicate())
+        kinds.add(want)
         whole = a.shape == (4, base.shape[1]) and b.shape == (base.shape[0], 4)
         if (a.placements[tp], b.placements[tp]) != want or not whole:
             wrong.append((name, a.placements, b.placements, tuple(a.shape), tuple(b.shape)))
         whole_a, whole_b = a.full_tensor(), b.full_tensor()
         sums.append((whole_a.double().sum().item(), whole_b.double().sum().item()))
         ranges.append((whole_a.abs().max().item() * base.shape[1] ** 0.5, whole_b.abs().max().item() * 2))
-    return {"wrong": wrong, "sums": sums, "ranges": ranges}
+    return {"wrong": wrong, "sums": sums, "ranges": ranges, "column_and_row_wise": len(kinds - {(Replicate(),
+                                                                                                  Replicate())}) == 2}
 
 
 def _lora_training(path: str, layout: dict, lora: dict, steps: int = STEPS) -> dict:
@@ -106,14 +112,15 @@ def _lora_training(path: str, layout: dict, lora: dict, steps: int = STEPS) -> d
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_lora_trains_as_one_process(ranks, checkpoints, case):  # noqa: F811 - the fixture
-    """Attention, dense and shared-expert projections (column- and row-wise), MLA's kv_a_proj and a replicated
-    gate: per-step loss and clipped total norm within 1e-5 of one process over 3 AdamW steps, the trained
-    adapters equal to its. The adapters are DTensors on one mesh, split like their base weights, drawn once for
-    all ranks (ranks seeded differently agree) at the whole shapes' bounds."""
+    """Attention and shared-expert projections (column- and row-wise; replicated where the plan leaves them
+    whole), MLA's kv_a_proj (its rotary gradient summed), a replicated gate, FSDP2 over two replicas: per-step
+    loss and clipped total norm within 1e-5 of one process over 3 AdamW steps, the trained adapters equal to its.
+    The adapters are DTensors on one mesh, split like their base weights, drawn once for all ranks (ranks seeded
+    differently agree) within the bounds of PEFT's draws at the whole shapes."""
     family, world, layout, lora = CASES[case]
     results = ranks(world).run(_lora_training, checkpoints(family), layout, lora)
     for r in results:
-        assert r["layers"] >= 4 and r["same_keys"], r
+        assert r["layers"] >= 4 and r["same_keys"] and r["column_and_row_wise"], r
         assert r["all_dtensor"] and r["meshes"] == 1 and not r["wrong"] and r["ranks_agree"], r
         assert all(0.5 < a <= 1.0 and b <= 1.0 for a, b in r["ranges"]), r["ranges"]
         loss = max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"], strict=True))
@@ -131,7 +138,7 @@ def _save_merge(path: str, layout: dict, out: str) -> dict:
     import hf_moe_tp
 
     torch.manual_seed(0)
-    model = get_peft_model(layout_model(path, layout), LoraConfig(r=4, target_modules=QWEN2_MOE,
+    model = get_peft_model(layout_model(path, layout), LoraConfig(r=4, target_modules=LLAMA4,
                                                                    init_lora_weights=False))
     data = batches(model.config.vocab_size, 2)
     run_steps(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2), data)
@@ -163,7 +170,7 @@ def test_lora_save_load_merge(ranks, checkpoints, tmp_path, layout):  # noqa: F8
     from peft import PeftModel
     from safetensors import safe_open
 
-    path = checkpoints("qwen2_moe")
+    path = checkpoints("llama4")
     world = 4 if layout else 2
     results = ranks(world).run(_save_merge, path, layout, str(tmp_path))
     adapter = tmp_path / "adapter"
