@@ -125,7 +125,7 @@ def _follow_tuner(tuner: nn.Module) -> None:
 
     def check_new_adapter_config(self, config: Any) -> None:
         LoraModel._check_new_adapter_config(self, config)
-        check_config(config)
+        check_config(config, self.model)
 
     def create_and_replace(self, *args: Any, **kwargs: Any) -> None:
         bound = signature.bind(self, *args, **kwargs)
@@ -155,8 +155,8 @@ def _resharded_first(method: Callable) -> Callable:
     return run
 
 
-def check_config(config: Any) -> None:
-    """Refuse, by name, what a ``LoraConfig`` asks that the tensor-parallel model does not place."""
+def check_config(config: Any, model: nn.Module) -> None:
+    """Refuse, by name, what a ``LoraConfig`` asks that the tensor-parallel ``model`` does not place."""
     init = config.init_lora_weights
     if not any(init is v or init == v for v in SUPPORTED_INITS):
         raise UnsupportedLoraError(f"LoraConfig(init_lora_weights={init!r}) on the tensor-parallel model: supported "
@@ -167,14 +167,41 @@ def check_config(config: Any) -> None:
     if variants:
         raise UnsupportedLoraError(f"LoraConfig {', '.join(f'{v}={getattr(config, v)!r}' for v in variants)} on the "
                                    "tensor-parallel model: LoRA variants (DoRA and the like) are not supported there")
-    if config.target_parameters:
+    for target in sorted(config.target_parameters or ()):
+        _check_target_parameter(target, model)
+
+
+def _check_target_parameter(target: str, model: nn.Module) -> None:
+    """A ``target_parameters`` entry must name only GroupedExperts weights (``w1``, ``w3``, ``w2``) that
+    ``TensorParallel`` splits; PEFT matches a parameter whose dotted name ends with the entry."""
+    from .experts import GroupedExperts
+    from .styles import TensorParallel
+
+    hits = [(name.replace(".base_layer", ""), module) for name, module in model.named_modules()
+            for pname, _ in module.named_parameters(recurse=False)
+            if f".{name.replace('.base_layer', '')}.{pname}".endswith(f".{target}")]
+    wrong = [name for name, module in hits if not isinstance(module, GroupedExperts)
+             or target.rpartition(".")[2] not in EXPERT_WEIGHTS]
+    if not hits or wrong:
         raise UnsupportedLoraError(
-            f"LoraConfig target_parameters {sorted(config.target_parameters)} on the tensor-parallel model: LoRA on "
-            "parameters (the experts' 3-D weights, routers' weights) is not supported there yet. With transformers 5, "
-            "PEFT turns target_modules='all-linear', and the names gate_proj/up_proj/down_proj/w1/w2/w3/gate on "
-            "Mixtral, Qwen3-MoE, DeepSeek-V3 and similar models, into target_parameters for the routed experts; "
-            "name the attention and dense layers instead (e.g. target_modules=['q_proj', 'k_proj', 'v_proj', "
-            "'o_proj'])")
+            f"LoraConfig target_parameters entry {target!r} on the tensor-parallel model"
+            + (f" names parameters of {wrong[0]} ({type(model.get_submodule(wrong[0])).__name__})" if wrong else
+               " names no parameter of it")
+            + ": LoRA on parameters goes on the routed experts' weights as hf_moe_tp names them, w1 (gate), w3 (up),"
+              " w2 (down), e.g. target_parameters=['mlp.experts.w1', 'mlp.experts.w3', 'mlp.experts.w2'], not on "
+              "transformers' gate_up_proj/down_proj nor on routers. (With transformers 5 PEFT turns "
+              "target_modules='all-linear', and gate_proj/up_proj/down_proj/w1/w2/w3/gate on Mixtral-, Qwen3-MoE- "
+              "and DeepSeek-like models, into such entries; list the linear layers instead.)")
+    biased = [name for name, module in hits if target.endswith("w2") and module.b2 is not None]
+    if biased:
+        raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r}: the experts {biased[0]} have a down "
+                                   "bias (b2), added once over the ranks by reading w2's split, which the adapter's "
+                                   "fold hides; LoRA on their w2 is not supported yet (w1/w3 are)")
+    unsplit = [name for name, module in hits if type(getattr(module, "hf_moe_tp_style", None)) is not TensorParallel]
+    if unsplit:
+        raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r}: the experts {unsplit[0]} run "
+                                   f"{getattr(model.get_submodule(unsplit[0]), 'hf_moe_tp_style', None)!r}; LoRA "
+                                   "on experts is supported under TensorParallel (not yet ExpertParallel)")
 
 
 # ---- placing one adapter ----------------------------------------------------------------------------------------
@@ -184,9 +211,12 @@ def shard_adapter(layer: nn.Module, adapter: str, config: Any, name: str = "") -
     """Rebuild ``adapter`` of the LoRA layer ``layer`` (PEFT's ``lora.Linear`` over one of our layers) at its
     whole shapes, drawn as PEFT draws it on the first rank, as DTensors on the base weight's mesh placed like the
     base layer's split, with the communication that placement needs (the table in the module docstring)."""
-    from peft.tuners.lora import Linear
+    from peft.tuners.lora import Linear, ParamWrapper
 
     where = f"{name or type(layer).__name__}"
+    if isinstance(layer, ParamWrapper):
+        _shard_expert_adapter(layer, adapter, where)
+        return
     if not isinstance(layer, Linear):
         raise UnsupportedLoraError(f"LoRA on {where} ({type(layer).__name__} over "
                                    f"{type(layer.get_base_layer()).__name__}) on the tensor-parallel model: only "
@@ -210,11 +240,14 @@ def shard_adapter(layer: nn.Module, adapter: str, config: Any, name: str = "") -
         layer.get_delta_weight = types.MethodType(_delta_like_base, layer)
 
 
-def _delta_like_base(layer: nn.Module, adapter: str) -> DTensor:
+def _delta_like_base(layer: nn.Module, adapter: str) -> torch.Tensor:
     """PEFT's ``get_delta_weight`` (``B @ A``, a DTensor placed like the base weight's TP split), laid out as the
-    base weight is (FSDP2's data-parallel shards too), so merging adds it in place."""
+    base weight is (FSDP2's data-parallel shards too), so merging adds it in place. (Inside an expert adapter's
+    forward the factors are local tensors, and so is the delta.)"""
     delta = type(layer).get_delta_weight(layer, adapter)
-    weight = layer.get_base_layer().weight
+    weight = layer.get_param() if hasattr(layer, "get_param") else layer.get_base_layer().weight
+    if not isinstance(delta, DTensor) or not isinstance(weight, DTensor):
+        return delta
     if delta.device_mesh != weight.device_mesh:
         raise UnsupportedLoraError(f"merging LoRA into a weight on mesh {weight.device_mesh} (FSDP2 holds it "
                                    "gathered): merge through the PEFT model (merge_and_unload, merge_adapter), "
@@ -222,6 +255,79 @@ def _delta_like_base(layer: nn.Module, adapter: str) -> DTensor:
     if tuple(delta.placements) != tuple(weight.placements):
         delta = delta.redistribute(weight.device_mesh, weight.placements)
     return delta
+
+
+EXPERT_WEIGHTS = ("w1", "w3", "w2")
+
+
+def _shard_expert_adapter(layer: nn.Module, adapter: str, where: str) -> None:
+    """An adapter PEFT's ``ParamWrapper`` puts on a GroupedExperts weight (``target_parameters``): ``lora_A``
+    (r*E, in), ``lora_B`` (out, r*E), whole already (PEFT sizes them from the DTensor's whole shape), placed like
+    the weight's TensorParallel split: ``w1``/``w3`` split by hidden columns, so B by rows; ``w2`` split by hidden
+    rows, so A by columns. PEFT folds ``W + B @ A`` per expert into the weight for the experts' forward; here
+    that runs on this rank's shard of the weight and the local factors, and the replicated factor's gradient (a
+    partial sum over the ranks' hidden slices) is summed."""
+    base = layer.get_base_layer()
+    weight = layer.get_param()
+    if layer.parameter_name not in EXPERT_WEIGHTS or not isinstance(weight, DTensor):
+        raise UnsupportedLoraError(f"LoRA on parameter {layer.parameter_name!r} of {where}: only the experts' "
+                                   f"{EXPERT_WEIGHTS} are supported on the tensor-parallel model")
+    split = weight.placements[_tp_dim(weight.device_mesh, where)]
+    placement = _Placement(base.hf_moe_tp_style, where, weight.device_mesh, kind="experts")
+    placement.a, placement.b = (Shard(1), Replicate()) if split == Shard(1) else (Replicate(), Shard(0))
+    a, b = layer.lora_A[adapter], layer.lora_B[adapter]
+    if a.weight.device.type == "meta":
+        raise UnsupportedLoraError("LoRA adapters made on the meta device (low_cpu_mem_usage=True) on the "
+                                   "tensor-parallel model: create them with low_cpu_mem_usage=False")
+    _distribute(a, placement, placement.a)
+    _distribute(b, placement, placement.b)
+    if "_hf_moe_tp_local" not in vars(layer):
+        layer._hf_moe_tp_local = True
+        _expert_adapters_local(layer, placement)
+    if "get_delta_weight" not in vars(layer):
+        layer.get_delta_weight = types.MethodType(_delta_like_base, layer)
+
+
+def _expert_adapters_local(layer: nn.Module, placement: _Placement) -> None:
+    """During the ``ParamWrapper``'s forward, its base weight appears as this rank's shard (a frozen local
+    parameter, which PEFT's parametrization then folds the adapter into) and every adapter's factors as local
+    tensors: the replicated one's gradient summed over ``tp``, both averaged over data-parallel dimensions."""
+    base, pname = layer.get_base_layer(), layer.parameter_name
+    to_local = {Replicate(): placement.to_local(sum_tp=True), "split": placement.to_local(sum_tp=False)}
+    saved: list[list[tuple[dict, str, torch.Tensor]]] = []
+
+    def use_local(module: nn.Module, args: tuple) -> None:
+        swapped = []
+        weight = base._parameters.get(pname)
+        if isinstance(weight, DTensor):
+            base._parameters[pname] = nn.Parameter(weight.to_local(), requires_grad=False)
+            swapped.append((base._parameters, pname, weight))
+        for factors in (layer.lora_A, layer.lora_B):
+            for factor in factors.values():
+                p = factor._parameters.get("weight")
+                if isinstance(p, DTensor):
+                    tp = p.placements[placement.tp_dim]
+                    factor._parameters["weight"] = to_local[tp if tp == Replicate() else "split"](p)
+                    swapped.append((factor._parameters, "weight", p))
+        saved.append(swapped)
+
+    def restore(module: nn.Module, args: tuple, out: Any) -> None:
+        if not saved:
+            return
+        for table, name, t in saved.pop():
+            table[name] = t
+
+    layer.register_forward_pre_hook(use_local)
+    layer.register_forward_hook(restore, always_call=True)
+
+
+def _tp_dim(mesh: DeviceMesh, where: str) -> int:
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim == 1:
+        return 0
+    if "tp" in names:
+        return names.index("tp")
+    raise UnsupportedLoraError(f"LoRA on {where}: its weight's mesh {names} has no 'tp' dimension")
 
 
 def _forget_transformers_tp(base: nn.Module) -> None:
@@ -265,19 +371,13 @@ def _distribute(module: nn.Linear, placement: _Placement, split: Placement) -> N
 class _Placement:
     """Where an adapter's factors go for a base layer of ``style``, and the hooks that compute with them."""
 
-    def __init__(self, style: ParallelStyle, where: str, mesh: DeviceMesh) -> None:
+    def __init__(self, style: ParallelStyle, where: str, mesh: DeviceMesh, kind: str | None = None) -> None:
         self.style, self.where, self.mesh = style, where, mesh
-        names = mesh.mesh_dim_names or ()
-        if mesh.ndim == 1:
-            self.tp_dim = 0
-        elif "tp" in names:
-            self.tp_dim = names.index("tp")
-        else:
-            raise UnsupportedLoraError(f"LoRA on {where}: its weight's mesh {names} has no 'tp' dimension")
+        self.tp_dim = _tp_dim(mesh, where)
         self.tp_mesh = mesh if mesh.ndim == 1 else mesh["tp"]
         self.dp_groups = [mesh.get_group(d) for d in range(mesh.ndim) if d != self.tp_dim and mesh.size(d) > 1]
         self.dp_size = math.prod(mesh.size(d) for d in range(mesh.ndim) if d != self.tp_dim)
-        self.kind = self._kind()
+        self.kind = kind or self._kind()
         self.a, self.b = {"colwise": (Replicate(), Shard(0)), "rowwise": (Shard(1), Replicate())}.get(
             self.kind, (Replicate(), Replicate()))
 
@@ -310,30 +410,30 @@ class _Placement:
         group = self.tp_mesh.get_group() if self.tp_mesh.size() > 1 else None
         style = self.style
         if self.kind == "colwise":
-            _compute_locally(a, self._to_local(sum_tp=False))
+            _compute_locally(a, self.to_local(sum_tp=False))
             # each rank's lora_B rows pass back only their part of A's output gradient: summed once, T x r
             a.register_forward_hook(lambda m, args, out: _SumGradOverMesh.apply(out, group))
-            _compute_locally(b, self._to_local(sum_tp=False))
+            _compute_locally(b, self.to_local(sum_tp=False))
             layout, local = style.output_layouts[0], style.use_local_output
             if layout != Shard(-1) or not local:  # the base layer's output form: gathered, or a DTensor
                 mesh = self.tp_mesh
                 b.register_forward_hook(lambda m, args, out: _as_output(out, mesh, layout, local))
         elif self.kind == "rowwise":
-            _compute_locally(a, self._to_local(sum_tp=False))
+            _compute_locally(a, self.to_local(sum_tp=False))
             if style.input_layouts[0] == Replicate():  # the base slices the input itself: so does lora_A
                 mesh = self.tp_mesh
                 a.register_forward_pre_hook(lambda m, args: (_slice_last(args[0], mesh), *args[1:]))
             else:
                 _slice_dropout(layer, adapter, self.tp_mesh)
             a.register_forward_hook(lambda m, args, out: _SumOverMesh.apply(out, group))
-            _compute_locally(b, self._to_local(sum_tp=False))
+            _compute_locally(b, self.to_local(sum_tp=False))
             if not style.use_local_output:
                 mesh = self.tp_mesh
                 b.register_forward_hook(lambda m, args, out: DTensor.from_local(out, mesh, (Replicate(),),
                                                                                  run_check=False))
         elif self.kind == "mla":
-            _compute_locally(a, self._to_local(sum_tp=False))
-            _compute_locally(b, self._to_local(sum_tp=False))
+            _compute_locally(a, self.to_local(sum_tp=False))
+            _compute_locally(b, self.to_local(sum_tp=False))
             rope = style.rope_dim
 
             def reduce_rope_grad(m: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
@@ -343,10 +443,10 @@ class _Placement:
             b.register_forward_hook(reduce_rope_grad)
         else:
             sum_tp = self.kind == "replicated_sum_grads"
-            _compute_locally(a, self._to_local(sum_tp=sum_tp))
-            _compute_locally(b, self._to_local(sum_tp=sum_tp))
+            _compute_locally(a, self.to_local(sum_tp=sum_tp))
+            _compute_locally(b, self.to_local(sum_tp=sum_tp))
 
-    def _to_local(self, sum_tp: bool) -> Callable[[DTensor], torch.Tensor]:
+    def to_local(self, sum_tp: bool) -> Callable[[DTensor], torch.Tensor]:
         group = self.tp_mesh.get_group() if sum_tp else None
         dp_groups, dp_size = self.dp_groups, self.dp_size
 

@@ -38,42 +38,66 @@ CASES = {
 
 
 def lora_layers(model) -> dict:
-    from peft.tuners.lora import Linear
+    """PEFT's LoRA layers: on linear layers, and on parameters (``ParamWrapper``, the experts' weights)."""
+    from peft.tuners.lora import Linear, ParamWrapper
 
-    return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    return {name: m for name, m in model.named_modules() if isinstance(m, Linear | ParamWrapper)}
 
 
 def placement_report(model) -> dict:
-    """Each adapter's split against its base weight's TP split, the initial draw's range against PEFT's bounds
-    at the whole shapes (kaiming-uniform: |A| <= 1/sqrt(in); nn.Linear's B: |B| <= 1/sqrt(r)), and a checksum of
-    every whole adapter (compared across ranks)."""
+    """Each adapter's split against its base weight's TP split (row-wise-like: the input dim split, so A by
+    columns; column-wise-like: the output dim split, so B by rows), the initial draw's range against PEFT's
+    bounds at the whole shapes (kaiming-uniform: |A| <= 1/sqrt(in), |B| <= 1/sqrt(B's columns)), and a checksum
+    of every whole adapter (compared across ranks)."""
     wrong, sums, ranges, kinds = [], [], [], set()
     for name, layer in lora_layers(model).items():
         a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
-        base = layer.get_base_layer().weight
+        if hasattr(layer, "get_param"):  # an expert weight (E, in, out)
+            base = layer.get_param()
+            in_dim, out_dim, rank = 1, 2, 4 * base.shape[0]
+        else:  # a linear weight (out, in)
+            base = layer.get_base_layer().weight
+            in_dim, out_dim, rank = 1, 0, 4
         tp = base.device_mesh.mesh_dim_names.index("tp") if base.device_mesh.ndim > 1 else 0
         split = base.placements[tp] if base.device_mesh.size(tp) > 1 else Replicate()
-        if isinstance(split, Shard) and split.dim == 1:
+        if split == Shard(in_dim):
             want = (Shard(1), Replicate())
-        elif isinstance(split, Shard):
+        elif split == Shard(out_dim):
             want = (Replicate(), Shard(0))
         else:
             want = (Replicate(), Replicate())
         kinds.add(want)
-        whole = a.shape == (4, base.shape[1]) and b.shape == (base.shape[0], 4)
+        whole = a.shape == (rank, base.shape[in_dim]) and b.shape == (base.shape[out_dim], rank)
         if (a.placements[tp], b.placements[tp]) != want or not whole:
             wrong.append((name, a.placements, b.placements, tuple(a.shape), tuple(b.shape)))
         whole_a, whole_b = a.full_tensor(), b.full_tensor()
         sums.append((whole_a.double().sum().item(), whole_b.double().sum().item()))
-        ranges.append((whole_a.abs().max().item() * base.shape[1] ** 0.5, whole_b.abs().max().item() * 2))
+        ranges.append((whole_a.abs().max().item() * a.shape[1] ** 0.5, whole_b.abs().max().item() * rank ** 0.5))
     return {"wrong": wrong, "sums": sums, "ranges": ranges, "column_and_row_wise": len(kinds - {(Replicate(),
                                                                                                   Replicate())}) == 2}
 
 
-def _lora_training(path: str, layout: dict, lora: dict, steps: int = STEPS) -> dict:
+def one_rank_model(path: str):
+    """hf_moe_tp's own model at TP size 1 in this rank (a (world, 1) mesh's 'tp' dimension): the one-process
+    reference for adapters on the experts' weights, which transformers' experts name and fuse differently."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import hf_moe_tp
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
+    return hf_moe_tp.from_pretrained(path, device_mesh=mesh["tp"])
+
+
+def whole(state: dict) -> dict:
+    return {k.replace(".default.", "."): v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+def _lora_training(path: str, layout: dict, lora: dict, steps: int = STEPS, out: str | None = None) -> dict:
     """PEFT LoRA at a layout, ranks seeded differently; then, from one process's adapters, AdamW steps with one
-    clip_grad_norm_ call, against one process on the whole batch; the trained adapters against its."""
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    clip_grad_norm_ call, against one process on the whole batch (transformers' model, or ours at TP size 1 for
+    adapters on the experts); the trained adapters against its. With ``out``: the adapters saved there through
+    PEFT, loaded into the one-process model, whose logits are compared."""
+    from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
     torch.manual_seed(100 + dist.get_rank())  # as data-parallel scripts seed: differently per rank
     model = get_peft_model(layout_model(path, layout), LoraConfig(r=4, **lora))
@@ -82,9 +106,13 @@ def _lora_training(path: str, layout: dict, lora: dict, steps: int = STEPS) -> d
     dist.all_gather_object(sums, report["sums"])
 
     torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train()
-    ref = get_peft_model(ref, LoraConfig(r=4, **lora))
-    set_peft_model_state_dict(model, get_peft_model_state_dict(ref))  # both start from one process's adapters
+    experts = bool(lora.get("target_parameters"))
+    if experts:
+        ref = one_rank_model(path)
+    else:
+        ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+    ref = get_peft_model(ref.train(), LoraConfig(r=4, **lora))
+    set_peft_model_state_dict(model, whole(get_peft_model_state_dict(ref)))  # both start from one process's
     trainable = [p for p in model.parameters() if p.requires_grad]
     data = batches(model.config.vocab_size, steps)
     torch.manual_seed(7)  # the dropout streams
@@ -94,15 +122,22 @@ def _lora_training(path: str, layout: dict, lora: dict, steps: int = STEPS) -> d
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     ref_loss, ref_norm = [], []
     for ids in data:
-        out = ref(ids, labels=ids).loss
-        out.backward()
+        step_loss = ref(ids, labels=ids).loss
+        step_loss.backward()
         ref_norm.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
         ref_opt.step()
         ref_opt.zero_grad()
-        ref_loss.append(out.item())
-    want = get_peft_model_state_dict(ref)
-    got = {k.replace(".default.", "."): v.full_tensor() for k, v in model.state_dict().items() if "lora_" in k}
-    return {"loss": loss, "ref_loss": ref_loss, "norm": norm, "ref_norm": ref_norm,
+        ref_loss.append(step_loss.item())
+    want = whole(get_peft_model_state_dict(ref))
+    got = whole({k: v for k, v in model.state_dict().items() if "lora_" in k})
+    reloaded = None
+    if out is not None:
+        model.eval().save_pretrained(out)
+        fresh = one_rank_model(path) if experts else AutoModelForCausalLM.from_pretrained(path)
+        with torch.no_grad():
+            ids = data[0]
+            reloaded = (PeftModel.from_pretrained(fresh, out).eval()(ids).logits - model(ids).logits).abs().max().item()
+    return {"reloaded": reloaded, "loss": loss, "ref_loss": ref_loss, "norm": norm, "ref_norm": ref_norm,
             "weights": max((got[k] - want[k]).abs().max().item() for k in want), "same_keys": set(got) == set(want),
             "layers": len(lora_layers(model)), "meshes": len({p.device_mesh for p in trainable}),
             "all_dtensor": all(isinstance(p, DTensor) for p in trainable),
@@ -127,6 +162,28 @@ def test_lora_trains_as_one_process(ranks, checkpoints, case):  # noqa: F811 - t
         norm = max(abs(a - b) for a, b in zip(r["norm"], r["ref_norm"], strict=True))
         assert loss <= TOL and norm <= TOL and r["weights"] <= TOL, (loss, norm, r["weights"], r)
         assert len(set(r["loss"])) == STEPS  # the adapters train
+
+
+EXPERTS = dict(target_modules=["q_proj", "o_proj"], target_parameters=["mlp.experts.w1", "mlp.experts.w3",
+                                                                         "mlp.experts.w2"], init_lora_weights=False)
+EXPERT_LAYOUTS = {"tp2": (2, {}), "tp4": (4, {}), "dp2_tp2": (4, dict(fsdp_size=2))}
+
+
+@pytest.mark.parametrize("layout", sorted(EXPERT_LAYOUTS))
+def test_lora_on_routed_experts(ranks, checkpoints, tmp_path, layout):  # noqa: F811 - the fixture
+    """PEFT's target_parameters on GroupedExperts' w1/w3/w2 (TensorParallel: A or B split with the weight's
+    hidden dim) beside attention adapters: per-step loss and norm within 1e-5 of hf_moe_tp's model at TP size 1
+    in one process, the trained adapters equal to its; saved through PEFT on every rank, loaded into that
+    one-process model with the TP model's logits."""
+    world, kwargs = EXPERT_LAYOUTS[layout]
+    results = ranks(world).run(_lora_training, checkpoints("mixtral"), kwargs, EXPERTS, STEPS, str(tmp_path / "a"))
+    for r in results:
+        assert r["layers"] == 10 and r["same_keys"] and r["column_and_row_wise"], r
+        assert r["all_dtensor"] and r["meshes"] == 1 and not r["wrong"] and r["ranks_agree"], r
+        assert all(0.5 < a <= 1.0 and b <= 1.0 for a, b in r["ranges"]), r["ranges"]
+        loss = max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"], strict=True))
+        norm = max(abs(a - b) for a, b in zip(r["norm"], r["ref_norm"], strict=True))
+        assert loss <= TOL and norm <= TOL and r["weights"] <= TOL and r["reloaded"] <= TOL, (loss, norm, r)
 
 
 def _save_merge(path: str, layout: dict, out: str) -> dict:
@@ -194,21 +251,24 @@ def test_lora_save_load_merge(ranks, checkpoints, tmp_path, layout):  # noqa: F8
         assert r["reloaded"] <= TOL and r["merged"] <= TOL and r["unwrapped"], r
 
 
-REFUSED = {
-    "all-linear": (dict(target_modules="all-linear"), "target_parameters"),
-    "pissa": (dict(target_modules=ATTENTION, init_lora_weights="pissa"), "init_lora_weights='pissa'"),
-    "dora": (dict(target_modules=ATTENTION, use_dora=True), "use_dora=True"),
-    "embedding": (dict(target_modules=["embed_tokens"]), "only linear layers"),
+REFUSED = {  # LoraConfig, the layout, what the message names
+    "all-linear": (dict(target_modules="all-linear"), {}, "target_parameters entry 'down_proj'"),
+    "transformers' expert names": (dict(target_parameters=["mlp.experts.gate_up_proj"]), {}, "names no parameter"),
+    "router": (dict(target_parameters=["mlp.gate.weight"]), {}, "names parameters of"),
+    "expert parallel": (dict(target_parameters=["mlp.experts.w1"]), dict(ep_size=2), "not yet ExpertParallel"),
+    "pissa": (dict(target_modules=ATTENTION, init_lora_weights="pissa"), {}, "init_lora_weights='pissa'"),
+    "dora": (dict(target_modules=ATTENTION, use_dora=True), {}, "use_dora=True"),
+    "embedding": (dict(target_modules=["embed_tokens"]), {}, "only linear layers"),
 }
 
 
-def _refused(path: str, lora: dict) -> str | None:
+def _refused(path: str, lora: dict, layout: dict) -> str | None:
     from peft import LoraConfig, get_peft_model
 
     from hf_moe_tp.lora import UnsupportedLoraError
 
     try:
-        get_peft_model(layout_model(path, {}), LoraConfig(r=4, **lora))
+        get_peft_model(layout_model(path, layout), LoraConfig(r=4, **lora))
     except UnsupportedLoraError as e:
         return str(e)
     return None
@@ -227,11 +287,12 @@ def _other_method_refused(path: str) -> str | None:
 
 
 def test_lora_refusals(ranks, checkpoints):  # noqa: F811 - the fixture
-    """What is not placed on the TP model is refused by name on every rank: target_parameters (which PEFT makes
-    of 'all-linear' on Mixtral), base-weight initialisations, LoRA variants, embeddings, other PEFT methods."""
+    """What is not placed on the TP model is refused by name on every rank: target_parameters other than our
+    experts' w1/w3/w2 under TensorParallel (transformers' names, which PEFT makes of 'all-linear' on Mixtral;
+    routers; ExpertParallel), base-weight initialisations, LoRA variants, embeddings, other PEFT methods."""
     path = checkpoints("mixtral")
-    for case, (lora, named) in REFUSED.items():
-        for message in ranks(2).run(_refused, path, lora):
+    for case, (lora, layout, named) in REFUSED.items():
+        for message in ranks(2).run(_refused, path, lora, layout):
             assert message is not None and named in message, (case, message)
     for message in ranks(2).run(_other_method_refused, path):
         assert message is not None and "LoHaModel" in message, message
