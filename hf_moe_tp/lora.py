@@ -1,50 +1,59 @@
 """LoRA through PEFT on the tensor-parallel model: adapters as DTensors, placed like the layers they adapt.
 
-PEFT sizes a LoRA adapter from its base layer's weight. On a layer our plan splits it takes the rank's local
-shard shape and makes plain tensors that each rank trains on its own, with no communication between them:
+Why: PEFT sizes a LoRA adapter from its base layer's weight. On a layer our plan splits it takes the rank's
+local shard shape and makes plain tensors that each rank trains on its own, with no communication between them:
 
 - column-wise layers (q/k/v, gate/up): ``lora_B`` holds this rank's output rows, right, but the replicated
   ``lora_A`` gets only this rank's heads' part of its gradient, so the ranks' copies drift apart (and the
   input's gradient through the adapter is a partial sum nobody reduces);
 - row-wise layers (o, down): ``lora_A`` sees this rank's slice of the input, and its partial output goes through
-  ``lora_B`` and into the (already summed) base output unsummed;
+  ``lora_B`` into the (already summed) base output unsummed; its draw uses the slice's fan-in;
 - a rank seeded differently initialises its replicated adapters differently.
 
-The first step is right (``lora_B`` starts at zero); every step after drifts, silently. (transformers' own
-``tp_plan`` with PEFT's TP hooks splits ``lora_B``/``lora_A`` as above but never sums the replicated factor's
-gradient either.)
+The first step is right (``lora_B`` starts at zero); every step after drifts, silently. (transformers' own TP
+goes through PEFT 0.21's ``add_lora_tp_hooks_dtensor``, which splits ``lora_B`` or ``lora_A`` the same way and
+sums no gradient of the replicated factor either: issue 21 measured its drift.)
 
-Here, importing :mod:`hf_moe_tp` watches for PEFT tuners built on a model our plan parallelized (every entry
-point: ``peft.get_peft_model``, ``PeftModel.from_pretrained``, TRL's ``SFTTrainer(peft_config=...)``,
-``model.add_adapter``): each LoRA layer PEFT makes there gets its adapters rebuilt at their whole shapes,
-drawn as PEFT draws them (``init_lora_weights`` True, False or ``"gaussian"``) on the first rank and sharded, as
-DTensors on the base layer's mesh:
+What: importing :mod:`hf_moe_tp` watches (torch's global module-registration hook) for PEFT tuners built on a
+model our plan parallelized, whatever builds them: ``peft.get_peft_model`` (which TRL's ``SFTTrainer`` calls),
+``PeftModel.from_pretrained``, ``PeftModel.add_adapter``, ``inject_adapter_in_model``. Each LoRA layer PEFT
+makes there gets its adapters rebuilt at their whole shapes, drawn as PEFT's ``update_layer`` draws them
+(``init_lora_weights`` True, False or ``"gaussian"``) on the first rank and sharded, as DTensors on the base
+weight's mesh:
 
 - column-wise base (``ColwiseParallel``: q/k/v, gate/up): ``lora_A`` (r, in) replicated, ``lora_B`` (out, r)
   split by rows (``Shard(0)``) like the base weight; backward: one all-reduce of A's output gradient (T x r);
 - row-wise base (``RowwiseParallel``: o, down): ``lora_A`` split by columns (``Shard(1)``) like the base weight,
   ``lora_B`` replicated; forward: one all-reduce of A's output (T x r);
-- replicated base (routers, unsplit layers): both replicated, no communication; a base whose gradients are
-  summed over the ranks (per-head layers, MLA's ``kv_a_proj``) gets the same sums for its adapters.
+- replicated base (routers, layers the plan leaves whole): both replicated, no communication; a base whose
+  gradient is summed over the ranks (per-head layers, MLA's ``kv_a_proj_with_mqa``) gets the same sums;
+- the routed experts' weights through ``target_parameters`` (PEFT's ``ParamWrapper``), named as ours:
+  ``w1``/``w3`` (E, dim, hidden), split by hidden columns, so ``lora_B`` by rows; ``w2`` (E, hidden, dim), split
+  by hidden rows, so ``lora_A`` by columns; PEFT folds ``W + B @ A`` per expert into the weight for the experts'
+  forward, here on this rank's shard with the local factors; the replicated factor's gradient is summed.
 
-Each split factor follows its base weight's split, so a rank holds and multiplies only its share; the
-replicated factor of a split layer reads the replicated side (the whole input of a column-wise layer, the
-summed ``T x r`` product of a row-wise one), the only form in which it computes one rank's exact share. The
-collectives are on ``T x r`` values, ``r`` small, never on a weight. Everything computes on local tensors
-(no DTensor dispatch in the forward). Over data-parallel mesh dimensions (FSDP2 layouts) the adapters are
-replicated, not sharded (they are small), and their gradients averaged over those dimensions in backward, as
-FSDP2 averages the rest; all adapters then live on the base weights' one mesh, and one ``clip_grad_norm_``
-call covers them. Row-wise adapters' dropout draws the whole input's mask and keeps this rank's slice, so the
-ranks draw what one process draws.
+Why so: each split factor follows its base weight's split, so a rank holds and multiplies only its share; the
+replicated factor of a split layer is the one that reads the replicated side (the whole input of a column-wise
+layer, the summed ``T x r`` product of a row-wise one): splitting it too would need its input or output
+gathered. The collectives are on ``T x r`` values (``r`` small), never on a weight; everything computes on
+local tensors, with no DTensor dispatch in the forward. Over data-parallel mesh dimensions (FSDP2 layouts)
+the adapters are replicated, not sharded (they are small), and their gradients averaged over those dimensions
+in backward, as FSDP2 averages the rest. All adapters live on the base weights' one mesh, so one
+``clip_grad_norm_`` call covers them. Row-wise adapters' dropout draws the whole input's mask and keeps this
+rank's slice, so the ranks draw what one process draws.
 
 ``PeftModel.save_pretrained`` on every rank gathers the adapters to whole tensors and writes PEFT's usual files
 once, from rank 0 (moved into place when complete); ``PeftModel.from_pretrained`` and
 ``set_peft_model_state_dict`` shard whole adapters in (PEFT reshards for DTensor parameters);
-``merge_and_unload()`` adds each adapter's product, a DTensor placed like the base weight, into the base weight.
+``merge_and_unload()`` adds each adapter's product, a DTensor placed like the base weight, into the base weight
+(FSDP2's gathered copies put back first).
 
 Refused by name, on every rank: PEFT methods other than LoRA, LoRA variants (DoRA, ...), initialisations that
-read the base weights (PiSSA, OLoRA, LoftQ, EVA, ...), LoRA on embeddings or on our expert modules, and base
-layers whose style this module does not know.
+read the base weights (PiSSA, OLoRA, LoftQ, EVA, ...), adapters made on the meta device, LoRA on embeddings,
+``target_parameters`` other than GroupedExperts' ``w1``/``w3``/``w2`` under ``TensorParallel`` (transformers'
+``gate_up_proj``/``down_proj``, which PEFT makes of ``target_modules="all-linear"`` on several MoE families;
+routers; ``ExpertParallel``; ``w2`` of experts with a down bias), and base layers whose style this module does
+not place.
 """
 
 from __future__ import annotations
