@@ -44,20 +44,23 @@ def lora_layers(model) -> dict:
     return {name: m for name, m in model.named_modules() if isinstance(m, Linear | ParamWrapper)}
 
 
-def placement_report(model) -> dict:
+def placement_report(model, adapter: str = "default") -> dict:
     """Each adapter's split against its base weight's TP split (row-wise-like: the input dim split, so A by
     columns; column-wise-like: the output dim split, so B by rows), the initial draw's range against PEFT's
     bounds at the whole shapes (kaiming-uniform: |A| <= 1/sqrt(in), |B| <= 1/sqrt(B's columns)), and a checksum
     of every whole adapter (compared across ranks)."""
     wrong, sums, ranges, kinds = [], [], [], set()
     for name, layer in lora_layers(model).items():
-        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        if adapter not in layer.lora_A:
+            continue
+        a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+        r = a.shape[0] // (layer.get_param().shape[0] if hasattr(layer, "get_param") else 1)
         if hasattr(layer, "get_param"):  # an expert weight (E, in, out)
             base = layer.get_param()
-            in_dim, out_dim, rank = 1, 2, 4 * base.shape[0]
+            in_dim, out_dim, rank = 1, 2, r * base.shape[0]
         else:  # a linear weight (out, in)
             base = layer.get_base_layer().weight
-            in_dim, out_dim, rank = 1, 0, 4
+            in_dim, out_dim, rank = 1, 0, r
         tp = base.device_mesh.mesh_dim_names.index("tp") if base.device_mesh.ndim > 1 else 0
         split = base.placements[tp] if base.device_mesh.size(tp) > 1 else Replicate()
         if split == Shard(in_dim):
@@ -296,3 +299,47 @@ def test_lora_refusals(ranks, checkpoints):  # noqa: F811 - the fixture
             assert message is not None and named in message, (case, message)
     for message in ranks(2).run(_other_method_refused, path):
         assert message is not None and "LoHaModel" in message, message
+
+
+def _second_adapter(path: str) -> dict:
+    """A second adapter added to the PEFT model (PEFT's update_layer on layers that hold one already, new layers
+    elsewhere) is placed too: 2 steps on it against one process, from one process's adapters."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+    first = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    second = LoraConfig(r=2, target_modules=["q_proj", "o_proj"], init_lora_weights=False)
+    models = {}
+    for name, base in (("tp", layout_model(path, {})),
+                       ("ref", AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train())):
+        torch.manual_seed(0)
+        model = get_peft_model(base, first)
+        model.add_adapter("two", second)
+        model.set_adapter("two")  # the second adapter trains, the first is left inactive
+        models[name] = model
+    for adapter in ("default", "two"):
+        set_peft_model_state_dict(models["tp"], get_peft_model_state_dict(models["ref"], adapter_name=adapter),
+                                  adapter_name=adapter)
+    losses = {}
+    for name, model in models.items():
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses[name] = run_steps(model, opt, batches(model.config.vocab_size, 2))[0] if name == "tp" else []
+        if name == "ref":
+            for ids in batches(model.config.vocab_size, 2):
+                loss = model(ids, labels=ids).loss
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+                losses[name].append(loss.item())
+    report = placement_report(models["tp"], "two")
+    two = [p for n, p in models["tp"].named_parameters() if ".two." in n]
+    return {"loss": max(abs(a - b) for a, b in zip(losses["tp"], losses["ref"], strict=True)),
+            "wrong": report["wrong"], "two": len(two), "trainable": all(p.requires_grad for p in two),
+            "dtensor": all(isinstance(p, DTensor) for n, p in models["tp"].named_parameters() if "lora_" in n)}
+
+
+def test_second_adapter(ranks, checkpoints):  # noqa: F811 - the fixture
+    """PeftModel.add_adapter on the TP model: the new adapter's factors are DTensors placed like their base layers
+    (on layers that already hold one adapter, and on new ones), and training it matches one process."""
+    for r in ranks(2).run(_second_adapter, checkpoints("mixtral")):
+        assert r["loss"] <= TOL and not r["wrong"] and r["two"] == 8 and r["trainable"] and r["dtensor"], r
