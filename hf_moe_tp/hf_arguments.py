@@ -44,6 +44,9 @@ REFUSED = {
     "tp_size": "the TP size is the mesh's: pass device_mesh= or fsdp_size= / dp_replicate_size=",
     "output_loading_info": "the load report is model.hf_moe_tp_load",
 }
+# transformers' auto classes pass their hub options in adapter_kwargs whenever PEFT is installed; an adapter to
+# load adds its path (_adapter_model_path), which is refused
+HUB_ONLY_ADAPTER_KWARGS = {"revision", "token"}
 # Arguments taken and without effect, because a tensor-parallel load always does what they ask.
 NO_OPS = {"low_cpu_mem_usage", "weights_only", "_fast_init"}
 EXPERTS_IMPLEMENTATIONS = (None, "grouped_mm")
@@ -66,7 +69,8 @@ class Resolved:
 
 def refuse(kwargs: dict[str, Any]) -> None:
     """Raise ``ValueError`` naming every argument of ``kwargs`` that cannot apply here, and why (no I/O)."""
-    refused = [f"{k}={kwargs[k]!r} ({REFUSED[k]})" for k in REFUSED if kwargs.get(k) not in (None, False, {})]
+    refused = [f"{k}={kwargs[k]!r} ({REFUSED[k]})" for k in REFUSED if kwargs.get(k) not in (None, False, {})
+               and not (k == "adapter_kwargs" and set(kwargs[k]) <= HUB_ONLY_ADAPTER_KWARGS)]
     if kwargs.get("use_safetensors") is False:
         refused.append("use_safetensors=False (only safetensors checkpoints are read)")
     experts = kwargs.get("experts_implementation")
