@@ -52,12 +52,12 @@ Refused by name, on every rank: PEFT methods other than LoRA, LoRA variants (DoR
 read the base weights (PiSSA, OLoRA, LoftQ, EVA, ...), adapters made on the meta device, LoRA on embeddings,
 ``target_parameters`` other than GroupedExperts' ``w1``/``w3``/``w2`` under ``TensorParallel`` (transformers'
 ``gate_up_proj``/``down_proj``, which PEFT makes of ``target_modules="all-linear"`` on several MoE families;
-routers; ``ExpertParallel``; ``w2`` of experts with a down bias), and base layers whose style this module does
-not place.
-"""
+routers; ``ExpertParallel``; ``w2`` of experts with a down bias), ``modules_to_save`` with FSDP2,
+``trainable_token_indices``, and base layers whose style this module does not place."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -66,7 +66,8 @@ import shutil
 import sys
 import tempfile
 import types
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
@@ -138,7 +140,10 @@ def _follow_tuner(tuner: nn.Module) -> None:
 
     def create_and_replace(self, *args: Any, **kwargs: Any) -> None:
         bound = signature.bind(self, *args, **kwargs)
-        LoraModel._create_and_replace(self, *args, **kwargs)
+        target = bound.arguments["target"]
+        bases = {id(m): m for m in (target, getattr(target, "get_base_layer", lambda: target)())}.values()
+        with _without_transformers_tp(bases):
+            LoraModel._create_and_replace(self, *args, **kwargs)
         layer = getattr(bound.arguments["parent"], bound.arguments["target_name"])
         shard_adapter(layer, bound.arguments["adapter_name"], bound.arguments["lora_config"],
                       name=bound.arguments.get("current_key") or "")
@@ -178,6 +183,13 @@ def check_config(config: Any, model: nn.Module) -> None:
                                    "tensor-parallel model: LoRA variants (DoRA and the like) are not supported there")
     for target in sorted(config.target_parameters or ()):
         _check_target_parameter(target, model)
+    if getattr(config, "trainable_token_indices", None):
+        raise UnsupportedLoraError("LoraConfig(trainable_token_indices=...) on the tensor-parallel model: trainable "
+                                   "token rows of a (vocabulary-split) embedding are not supported there")
+    if config.modules_to_save and any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise UnsupportedLoraError(f"LoraConfig(modules_to_save={config.modules_to_save!r}) with FSDP2: PEFT trains "
+                                   "a copy of each module, which FSDP2 neither copies nor manages; use it at TP "
+                                   "(no fsdp_size / dp_replicate_size)")
 
 
 def _check_target_parameter(target: str, model: nn.Module) -> None:
@@ -238,7 +250,6 @@ def shard_adapter(layer: nn.Module, adapter: str, config: Any, name: str = "") -
     weight = base.weight
     if style is None or not isinstance(weight, DTensor):
         raise UnsupportedLoraError(f"LoRA on {where}: its base layer was not parallelized by hf_moe_tp's plan")
-    _forget_transformers_tp(base)
     placement = _Placement(style, where, weight.device_mesh)
     a, b = _draw_whole(layer, adapter, config, base.in_features, base.out_features)
     layer.in_features, layer.out_features = base.in_features, base.out_features  # later adapters: whole shapes
@@ -339,12 +350,28 @@ def _tp_dim(mesh: DeviceMesh, where: str) -> int:
     raise UnsupportedLoraError(f"LoRA on {where}: its weight's mesh {names} has no 'tp' dimension")
 
 
-def _forget_transformers_tp(base: nn.Module) -> None:
-    """PEFT applies transformers' own TP hooks to an adapter whose base layer carries transformers' plan name
-    (``_hf_tp_plan``, stamped from a model that declares a transformers TP layout); on our layers those would
-    split the adapters a second time. PEFT reads the stamp after this returns, so removing it keeps them off."""
-    for attr in ("_hf_tp_plan", "_hf_device_mesh"):
-        base.__dict__.pop(attr, None)
+_OURS = "hf_moe_tp"  # a plan name PEFT does not split adapters for
+
+
+@contextlib.contextmanager
+def _without_transformers_tp(bases: Iterable[nn.Module]) -> Iterator[None]:
+    """Keep PEFT's own TP handling off our layers while it creates an adapter. When the model declares a
+    transformers TP layout (``_device_mesh``, ``config.distributed_config``, ``tp_plan``: what transformers'
+    Trainer reads), PEFT stamps transformers' plan name on the base layer (``_hf_tp_plan``), broadcasts its draws
+    and hooks transformers' styles onto the adapter it made; those adapters are replaced here anyway, but the
+    work, the warnings and the stamps (read again by later PEFT calls) are kept off: a name of ours already
+    stamped makes PEFT skip all of it (its warning that it adds no TP hooks is expected, so silenced)."""
+    bases = [b for b in bases if not isinstance(b, nn.Embedding)]  # refused below; PEFT rejects the stamp there
+    for base in bases:
+        base.__dict__["_hf_tp_plan"] = _OURS
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=f'.*TP plan "{_OURS}"')
+            yield
+    finally:
+        for base in bases:
+            for attr in ("_hf_tp_plan", "_hf_device_mesh"):
+                base.__dict__.pop(attr, None)
 
 
 def _draw_whole(layer: nn.Module, adapter: str, config: Any, in_features: int, out_features: int
@@ -536,7 +563,8 @@ class _MeanGradOver(torch.autograd.Function):
 
 # ---- saving -----------------------------------------------------------------------------------------------------
 
-_ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+_ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector",
+                  "modules_to_save")
 
 
 def _bind_save(peft_model: nn.Module) -> None:
@@ -560,7 +588,11 @@ def save_adapters(peft_model: nn.Module, save_directory: str | os.PathLike, **kw
                                    "OLoRA adapters, which the tensor-parallel model does not make")
     state = kwargs.pop("state_dict", None)
     state = peft_model.state_dict() if state is None else state
-    whole = {k: v.full_tensor() if isinstance(v, DTensor) and _is_adapter_key(k) else v for k, v in state.items()}
+    # what PEFT saves, gathered (the adapters; modules_to_save copies; biases, where LoraConfig(bias=...) trains
+    # them); the base weights are left out, never gathered
+    biases = any(getattr(c, "bias", "none") != "none" for c in peft_model.peft_config.values())
+    whole = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()
+             if not isinstance(v, DTensor) or _is_adapter_key(k) or (biases and k.endswith("bias"))}
     writer = (not dist.is_initialized() or dist.get_rank() == 0) and kwargs.pop("is_main_process", True)
     out = Path(save_directory)
     error: BaseException | None = None

@@ -27,7 +27,13 @@ DEEPSEEK_V2 = ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 # replicas hold the same rows (data-parallel replicas draw for their own rows, as the base model's dropout does)
 CASES = {
     "mixtral-tp2": ("mixtral", 2, {}, dict(target_modules=ATTENTION, init_lora_weights=False, lora_dropout=0.1)),
-    "qwen2_moe-tp2": ("qwen2_moe", 2, {}, dict(target_modules=QWEN2_MOE, init_lora_weights=False, lora_dropout=0.1)),
+    # with the q/k/v biases trained too (bias="lora_only"), and a trained copy of lm_head (split by vocabulary)
+    # the model declaring transformers' TP layout (_device_mesh, _tp_size, config.distributed_config), as for
+    # transformers' Trainer: PEFT's own TP path sees 'colwise'/'rowwise' for q/o_proj and is kept off
+    "mixtral-tp2-declared": ("mixtral", 2, dict(declare_transformers_tp=True),
+                             dict(target_modules=ATTENTION, init_lora_weights=False)),
+    "qwen2_moe-tp2": ("qwen2_moe", 2, {}, dict(target_modules=QWEN2_MOE, init_lora_weights=False, lora_dropout=0.1,
+                                               bias="lora_only", modules_to_save=["lm_head"])),
     "llama4-tp2": ("llama4", 2, {}, dict(target_modules=LLAMA4, init_lora_weights=False, lora_dropout=0.1)),
     "llama4-tp4": ("llama4", 4, {}, dict(target_modules=LLAMA4, init_lora_weights=False, lora_dropout=0.1)),
     "deepseek_v2-tp2": ("deepseek_v2", 2, {}, dict(target_modules=DEEPSEEK_V2, init_lora_weights=False,
@@ -103,7 +109,14 @@ def _lora_training(path: str, layout: dict, lora: dict, steps: int = STEPS, out:
     from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
     torch.manual_seed(100 + dist.get_rank())  # as data-parallel scripts seed: differently per rank
-    model = get_peft_model(layout_model(path, layout), LoraConfig(r=4, **lora))
+    layout = dict(layout)
+    base = layout_model(path, {k: v for k, v in layout.items() if k != "declare_transformers_tp"})
+    if layout.get("declare_transformers_tp"):  # what transformers' Trainer reads, and PEFT's own TP path too
+        from transformers.distributed import DistributedConfig
+
+        base._device_mesh, base._tp_size = base.hf_moe_tp_mesh, dist.get_world_size()
+        base.config.distributed_config = DistributedConfig(tp_size=dist.get_world_size())
+    model = get_peft_model(base, LoraConfig(r=4, **lora))
     report = placement_report(model)
     sums: list = [None] * dist.get_world_size()
     dist.all_gather_object(sums, report["sums"])
@@ -132,7 +145,7 @@ def _lora_training(path: str, layout: dict, lora: dict, steps: int = STEPS, out:
         ref_opt.zero_grad()
         ref_loss.append(step_loss.item())
     want = whole(get_peft_model_state_dict(ref))
-    got = whole({k: v for k, v in model.state_dict().items() if "lora_" in k})
+    got = whole(get_peft_model_state_dict(model))
     reloaded = None
     if out is not None:
         model.eval().save_pretrained(out)
@@ -198,8 +211,9 @@ def _save_merge(path: str, layout: dict, out: str) -> dict:
     import hf_moe_tp
 
     torch.manual_seed(0)
-    model = get_peft_model(layout_model(path, layout), LoraConfig(r=4, target_modules=LLAMA4,
-                                                                   init_lora_weights=False))
+    copies = [] if layout else ["lm_head"]  # a trained copy of lm_head (split by vocabulary); refused with FSDP2
+    model = get_peft_model(layout_model(path, layout), LoraConfig(r=4, target_modules=LLAMA4, init_lora_weights=False,
+                                                                   modules_to_save=copies))
     data = batches(model.config.vocab_size, 2)
     run_steps(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2), data)
     if dist.get_rank() != 0:
@@ -262,6 +276,10 @@ REFUSED = {  # LoraConfig, the layout, what the message names
     "pissa": (dict(target_modules=ATTENTION, init_lora_weights="pissa"), {}, "init_lora_weights='pissa'"),
     "dora": (dict(target_modules=ATTENTION, use_dora=True), {}, "use_dora=True"),
     "embedding": (dict(target_modules=["embed_tokens"]), {}, "only linear layers"),
+    "modules_to_save with FSDP2": (dict(target_modules=ATTENTION, modules_to_save=["lm_head"]), dict(fsdp_size=2),
+                                   "modules_to_save=['lm_head']"),
+    "trainable tokens": (dict(target_modules=ATTENTION, trainable_token_indices=[1, 2]), {},
+                         "trainable_token_indices"),
 }
 
 
