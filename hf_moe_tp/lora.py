@@ -159,8 +159,6 @@ def _resharded_first(method: Callable) -> Callable:
     weights the model keeps (FSDP2's gathered copies are dropped at the next reshard)."""
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.fsdp import FSDPModule
-
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
