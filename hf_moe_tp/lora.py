@@ -523,8 +523,10 @@ def _slice_dropout(layer: nn.Module, adapter: str, mesh: DeviceMesh) -> None:
 
 class SlicedDropout(nn.Module):
     """Dropout on this rank's slice of the last dim: the mask is drawn for the whole width (the TP ranks draw
-    from one generator state in training) and this rank's columns kept, so every column gets the mask one
-    process draws for it, not a copy of another rank's."""
+    from one generator state in training) and this rank's columns kept, so every column gets its own draw, not a
+    copy of another rank's. On CPU that is the mask one process's ``nn.Dropout`` draws (the same
+    ``bernoulli_`` over the same shape); CUDA's dropout runs a fused kernel that draws differently, so there
+    the masks agree with one process in distribution only."""
 
     def __init__(self, p: float, mesh: DeviceMesh) -> None:
         super().__init__()
