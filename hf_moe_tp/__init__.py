@@ -1,5 +1,6 @@
 """hf_moe_tp: Hugging Face Mixture-of-Experts models, tensor-parallel on PyTorch DTensors."""
 
+from . import lora  # noqa: F401 - watches PEFT building LoRA on our models (hf_moe_tp/lora.py)
 from .accelerate_cpu import allow_on_cpu
 from .expert_parallel import ExpertParallel
 from .experts import ExpertActivation, GroupedExperts

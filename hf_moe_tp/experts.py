@@ -85,6 +85,9 @@ class GroupedExperts(nn.Module):
     without transposing; the grouped-matmul kernel takes either layout at the same speed.
     """
 
+    # transformers' flag for expert weights laid out (E, in, out), as these are; PEFT's target_parameters reads it
+    is_transposed = True
+
     def __init__(
         self,
         num_experts: int,

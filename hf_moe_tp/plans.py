@@ -193,6 +193,7 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
     as a plain tensor. ``ExpertParallel`` entries go on ``ep_mesh`` when given (a 2-D ``(ep, tp)`` mesh whose
     ``tp`` dimension is ``mesh``), on ``mesh`` otherwise."""
     plan = resolve_plan(plan)
+    every = dict(plan)
     if ep_mesh is not None:
         experts = {k: v for k, v in plan.items() if isinstance(v, ExpertParallel)}
         parallelize_module(model, ep_mesh, experts)
@@ -206,6 +207,12 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
         parallelize_module(model, mesh, leftovers)
     # parameters of local-compute modules appear local for the whole forward, whoever reads them
     resolved = {**plan, **leftovers}
+    # each module keeps the style it got, for rooms that add layers beside it (hf_moe_tp.lora places adapters so)
+    patterns = [(p, s) for p, s in every.items() if "*" in p]
+    for name, module in model.named_modules():
+        style = leftovers.get(name) or every.get(name) or next((s for p, s in patterns if matches(name, p)), None)
+        if style is not None:
+            module.hf_moe_tp_style = style
     local = [(module, n) for name, module in model.named_modules()
              if isinstance(style := _style_for(name, resolved), LocalParams) and not style.sum_grads
              for n, p in module.named_parameters(recurse=False) if p is not None]

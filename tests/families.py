@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
     DeepseekV3Config,
     GptOssConfig,
     Llama4TextConfig,
@@ -38,6 +39,12 @@ def configs(uneven: bool = False) -> dict:
             n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=24,
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, rope_parameters={"rope_type": "default"},
             **{**COMMON, "num_key_value_heads": 4}),
+        # MLA attention that transformers' plan splits by heads (kv_a_proj_with_mqa whole, its rotary key's
+        # gradient summed: mla_kv_a_proj), q_proj without a LoRA rank, a dense first layer, a shared expert
+        "deepseek_v2": DeepseekV2Config(
+            hidden_size=32, intermediate_size=48, moe_intermediate_size=i, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=8, **{**COMMON, "num_key_value_heads": 4}),
         # interleaved gate/up with biases, clamped SwiGLU, attention sinks, sliding-window layers
         "gpt_oss": GptOssConfig(hidden_size=32, intermediate_size=i, num_local_experts=4, num_experts_per_tok=2,
                                 head_dim=8, sliding_window=8, **COMMON),

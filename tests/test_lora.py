@@ -1,0 +1,363 @@
+"""LoRA through PEFT on the tensor-parallel model (hf_moe_tp/lora.py): the same training as one process, the
+adapters placed like their base layers, saved in PEFT's format, merged into a hub checkpoint; refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_training import batches, checkpoints, layout_model, run_steps  # noqa: F401 - checkpoints: a fixture
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from transformers import AutoModelForCausalLM
+
+STEPS = 3
+TOL = 1e-5
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# Qwen2-MoE: attention, the shared expert's MLP and its gate (transformers' plan leaves both whole: replicated)
+QWEN2_MOE = ATTENTION + ["gate_proj", "up_proj", "down_proj", "shared_expert_gate"]
+# Llama 4 (packed experts): attention and the shared expert, split column- and row-wise by transformers' plan
+LLAMA4 = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
+# DeepSeek-V2's MLA attention, split by heads: q_proj and kv_b_proj column-wise, kv_a_proj_with_mqa whole (its
+# rotary part's gradient summed), o_proj row-wise. (On DeepSeek and Mixtral-like families PEFT turns the names
+# gate_proj/up_proj/down_proj into the routed experts' parameters, even for the shared experts and dense layers.)
+DEEPSEEK_V2 = ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+
+# B drawn too (init_lora_weights=False), so the adapters count in the very first forward; dropout where the
+# replicas hold the same rows (data-parallel replicas draw for their own rows, as the base model's dropout does)
+CASES = {
+    "mixtral-tp2": ("mixtral", 2, {}, dict(target_modules=ATTENTION, init_lora_weights=False, lora_dropout=0.1)),
+    # with the q/k/v biases trained too (bias="lora_only"), and a trained copy of lm_head (split by vocabulary)
+    # the model declaring transformers' TP layout (_device_mesh, _tp_size, config.distributed_config), as for
+    # transformers' Trainer: PEFT's own TP path sees 'colwise'/'rowwise' for q/o_proj and is kept off
+    "mixtral-tp2-declared": ("mixtral", 2, dict(declare_transformers_tp=True),
+                             dict(target_modules=ATTENTION, init_lora_weights=False)),
+    "qwen2_moe-tp2": ("qwen2_moe", 2, {}, dict(target_modules=QWEN2_MOE, init_lora_weights=False, lora_dropout=0.1,
+                                               bias="lora_only", modules_to_save=["lm_head"])),
+    "llama4-tp2": ("llama4", 2, {}, dict(target_modules=LLAMA4, init_lora_weights=False, lora_dropout=0.1)),
+    "llama4-tp4": ("llama4", 4, {}, dict(target_modules=LLAMA4, init_lora_weights=False, lora_dropout=0.1)),
+    "deepseek_v2-tp2": ("deepseek_v2", 2, {}, dict(target_modules=DEEPSEEK_V2, init_lora_weights=False,
+                                                   lora_dropout=0.1)),
+    "deepseek_v2-tp4": ("deepseek_v2", 4, {}, dict(target_modules=DEEPSEEK_V2, init_lora_weights=False)),
+    "llama4-dp2_tp2": ("llama4", 4, dict(fsdp_size=2), dict(target_modules=LLAMA4, init_lora_weights=False)),
+}
+
+
+def lora_layers(model) -> dict:
+    """PEFT's LoRA layers: on linear layers, and on parameters (``ParamWrapper``, the experts' weights)."""
+    from peft.tuners.lora import Linear, ParamWrapper
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, Linear | ParamWrapper)}
+
+
+def placement_report(model, adapter: str = "default") -> dict:
+    """Each adapter's split against its base weight's TP split (row-wise-like: the input dim split, so A by
+    columns; column-wise-like: the output dim split, so B by rows), the initial draw's range against PEFT's
+    bounds at the whole shapes (kaiming-uniform: |A| <= 1/sqrt(in), |B| <= 1/sqrt(B's columns)), and a checksum
+    of every whole adapter (compared across ranks)."""
+    wrong, sums, ranges, kinds = [], [], [], set()
+    for name, layer in lora_layers(model).items():
+        if adapter not in layer.lora_A:
+            continue
+        a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+        r = a.shape[0] // (layer.get_param().shape[0] if hasattr(layer, "get_param") else 1)
+        if hasattr(layer, "get_param"):  # an expert weight (E, in, out)
+            base = layer.get_param()
+            in_dim, out_dim, rank = 1, 2, r * base.shape[0]
+        else:  # a linear weight (out, in)
+            base = layer.get_base_layer().weight
+            in_dim, out_dim, rank = 1, 0, r
+        tp = base.device_mesh.mesh_dim_names.index("tp") if base.device_mesh.ndim > 1 else 0
+        split = base.placements[tp] if base.device_mesh.size(tp) > 1 else Replicate()
+        if split == Shard(in_dim):
+            want = (Shard(1), Replicate())
+        elif split == Shard(out_dim):
+            want = (Replicate(), Shard(0))
+        else:
+            want = (Replicate(), Replicate())
+        kinds.add(want)
+        whole = a.shape == (rank, base.shape[in_dim]) and b.shape == (base.shape[out_dim], rank)
+        if (a.placements[tp], b.placements[tp]) != want or not whole:
+            wrong.append((name, a.placements, b.placements, tuple(a.shape), tuple(b.shape)))
+        whole_a, whole_b = a.full_tensor(), b.full_tensor()
+        sums.append((whole_a.double().sum().item(), whole_b.double().sum().item()))
+        ranges.append((whole_a.abs().max().item() * a.shape[1] ** 0.5, whole_b.abs().max().item() * rank ** 0.5))
+    return {"wrong": wrong, "sums": sums, "ranges": ranges, "column_and_row_wise": len(kinds - {(Replicate(),
+                                                                                                  Replicate())}) == 2}
+
+
+def one_rank_model(path: str):
+    """hf_moe_tp's own model at TP size 1 in this rank (a (world, 1) mesh's 'tp' dimension): the one-process
+    reference for adapters on the experts' weights, which transformers' experts name and fuse differently."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import hf_moe_tp
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
+    return hf_moe_tp.from_pretrained(path, device_mesh=mesh["tp"])
+
+
+def whole(state: dict) -> dict:
+    return {k.replace(".default.", "."): v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+def _lora_training(path: str, layout: dict, lora: dict, steps: int = STEPS, out: str | None = None) -> dict:
+    """PEFT LoRA at a layout, ranks seeded differently; then, from one process's adapters, AdamW steps with one
+    clip_grad_norm_ call, against one process on the whole batch (transformers' model, or ours at TP size 1 for
+    adapters on the experts); the trained adapters against its. With ``out``: the adapters saved there through
+    PEFT, loaded into the one-process model, whose logits are compared."""
+    from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+    torch.manual_seed(100 + dist.get_rank())  # as data-parallel scripts seed: differently per rank
+    layout = dict(layout)
+    base = layout_model(path, {k: v for k, v in layout.items() if k != "declare_transformers_tp"})
+    if layout.get("declare_transformers_tp"):  # what transformers' Trainer reads, and PEFT's own TP path too
+        from transformers.distributed import DistributedConfig
+
+        base._device_mesh, base._tp_size = base.hf_moe_tp_mesh, dist.get_world_size()
+        base.config.distributed_config = DistributedConfig(tp_size=dist.get_world_size())
+    model = get_peft_model(base, LoraConfig(r=4, **lora))
+    report = placement_report(model)
+    sums: list = [None] * dist.get_world_size()
+    dist.all_gather_object(sums, report["sums"])
+
+    torch.manual_seed(0)
+    experts = bool(lora.get("target_parameters"))
+    if experts:
+        ref = one_rank_model(path)
+    else:
+        ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+    ref = get_peft_model(ref.train(), LoraConfig(r=4, **lora))
+    set_peft_model_state_dict(model, whole(get_peft_model_state_dict(ref)))  # both start from one process's
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    data = batches(model.config.vocab_size, steps)
+    torch.manual_seed(7)  # the dropout streams
+    loss, norm = run_steps(model, torch.optim.AdamW(trainable, lr=1e-2), data)
+
+    torch.manual_seed(7)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    ref_loss, ref_norm = [], []
+    for ids in data:
+        step_loss = ref(ids, labels=ids).loss
+        step_loss.backward()
+        ref_norm.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_loss.append(step_loss.item())
+    want = whole(get_peft_model_state_dict(ref))
+    got = whole(get_peft_model_state_dict(model))
+    reloaded = None
+    if out is not None:
+        model.eval().save_pretrained(out)
+        fresh = one_rank_model(path) if experts else AutoModelForCausalLM.from_pretrained(path)
+        with torch.no_grad():
+            ids = data[0]
+            reloaded = (PeftModel.from_pretrained(fresh, out).eval()(ids).logits - model(ids).logits).abs().max().item()
+    return {"reloaded": reloaded, "loss": loss, "ref_loss": ref_loss, "norm": norm, "ref_norm": ref_norm,
+            "weights": max((got[k] - want[k]).abs().max().item() for k in want), "same_keys": set(got) == set(want),
+            "layers": len(lora_layers(model)), "meshes": len({p.device_mesh for p in trainable}),
+            "all_dtensor": all(isinstance(p, DTensor) for p in trainable),
+            "ranks_agree": all(s == sums[0] for s in sums),
+            **report}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_lora_trains_as_one_process(ranks, checkpoints, case):  # noqa: F811 - the fixture
+    """Attention and shared-expert projections (column- and row-wise; replicated where the plan leaves them
+    whole), MLA's kv_a_proj (its rotary gradient summed), a replicated gate, FSDP2 over two replicas: per-step
+    loss and clipped total norm within 1e-5 of one process over 3 AdamW steps, the trained adapters equal to its.
+    The adapters are DTensors on one mesh, split like their base weights, drawn once for all ranks (ranks seeded
+    differently agree) within the bounds of PEFT's draws at the whole shapes."""
+    family, world, layout, lora = CASES[case]
+    results = ranks(world).run(_lora_training, checkpoints(family), layout, lora)
+    for r in results:
+        assert r["layers"] >= 4 and r["same_keys"] and r["column_and_row_wise"], r
+        assert r["all_dtensor"] and r["meshes"] == 1 and not r["wrong"] and r["ranks_agree"], r
+        assert all(0.5 < a <= 1.0 and b <= 1.0 for a, b in r["ranges"]), r["ranges"]
+        loss = max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"], strict=True))
+        norm = max(abs(a - b) for a, b in zip(r["norm"], r["ref_norm"], strict=True))
+        assert loss <= TOL and norm <= TOL and r["weights"] <= TOL, (loss, norm, r["weights"], r)
+        assert len(set(r["loss"])) == STEPS  # the adapters train
+
+
+EXPERTS = dict(target_modules=["q_proj", "o_proj"], target_parameters=["mlp.experts.w1", "mlp.experts.w3",
+                                                                         "mlp.experts.w2"], init_lora_weights=False)
+EXPERT_LAYOUTS = {"tp2": (2, {}), "tp4": (4, {}), "dp2_tp2": (4, dict(fsdp_size=2))}
+
+
+@pytest.mark.parametrize("layout", sorted(EXPERT_LAYOUTS))
+def test_lora_on_routed_experts(ranks, checkpoints, tmp_path, layout):  # noqa: F811 - the fixture
+    """PEFT's target_parameters on GroupedExperts' w1/w3/w2 (TensorParallel: A or B split with the weight's
+    hidden dim) beside attention adapters: per-step loss and norm within 1e-5 of hf_moe_tp's model at TP size 1
+    in one process, the trained adapters equal to its; saved through PEFT on every rank, loaded into that
+    one-process model with the TP model's logits."""
+    world, kwargs = EXPERT_LAYOUTS[layout]
+    results = ranks(world).run(_lora_training, checkpoints("mixtral"), kwargs, EXPERTS, STEPS, str(tmp_path / "a"))
+    for r in results:
+        assert r["layers"] == 10 and r["same_keys"] and r["column_and_row_wise"], r
+        assert r["all_dtensor"] and r["meshes"] == 1 and not r["wrong"] and r["ranks_agree"], r
+        assert all(0.5 < a <= 1.0 and b <= 1.0 for a, b in r["ranges"]), r["ranges"]
+        loss = max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"], strict=True))
+        norm = max(abs(a - b) for a, b in zip(r["norm"], r["ref_norm"], strict=True))
+        assert loss <= TOL and norm <= TOL and r["weights"] <= TOL and r["reloaded"] <= TOL, (loss, norm, r)
+
+
+def _save_merge(path: str, layout: dict, out: str) -> dict:
+    """A trained adapter saved through PEFT on every rank (only rank 0 may write), loaded back into a fresh TP
+    model, merged into the TP model and saved as a hub checkpoint; the logits of each."""
+    import peft.peft_model
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    import hf_moe_tp
+
+    torch.manual_seed(0)
+    copies = [] if layout else ["lm_head"]  # a trained copy of lm_head (split by vocabulary); refused with FSDP2
+    model = get_peft_model(layout_model(path, layout), LoraConfig(r=4, target_modules=LLAMA4, init_lora_weights=False,
+                                                                   modules_to_save=copies))
+    data = batches(model.config.vocab_size, 2)
+    run_steps(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2), data)
+    if dist.get_rank() != 0:
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"rank {dist.get_rank()} wrote adapter files")
+
+        peft.peft_model.safe_save_file = refuse
+    model.eval().save_pretrained(f"{out}/adapter")
+    ids = data[0]
+    with torch.no_grad():
+        logits = model(ids).logits
+        loaded = PeftModel.from_pretrained(layout_model(path, layout).eval(), f"{out}/adapter")
+        reloaded = loaded(ids).logits
+        merged = model.merge_and_unload()
+        merged_logits = merged(ids).logits
+    hf_moe_tp.save_pretrained(merged, f"{out}/merged")
+    return {"logits": logits, "reloaded": (reloaded - logits).abs().max().item(),
+            "merged": (merged_logits - logits).abs().max().item(), "ids": ids,
+            "unwrapped": not any("lora" in n for n, _ in merged.named_parameters())}
+
+
+@pytest.mark.parametrize("layout", [{}, dict(fsdp_size=2)], ids=["tp2", "dp2_tp2"])
+def test_lora_save_load_merge(ranks, checkpoints, tmp_path, layout):  # noqa: F811 - the fixture
+    """PeftModel.save_pretrained on every rank writes PEFT's files once (rank 0; the others' writes would
+    raise), whole tensors under hub names, no temporary folder left; plain transformers + PEFT in one process
+    loads them and gives the TP model's logits; so does PeftModel.from_pretrained on a fresh TP model;
+    merge_and_unload gives the merged TP model (its logits), whose hf_moe_tp.save_pretrained transformers loads."""
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    path = checkpoints("llama4")
+    world = 4 if layout else 2
+    results = ranks(world).run(_save_merge, path, layout, str(tmp_path))
+    adapter = tmp_path / "adapter"
+    assert sorted(p.name for p in adapter.iterdir()) == ["README.md", "adapter_config.json",
+                                                          "adapter_model.safetensors"]
+    base = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - safe_open's API
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    o = "base_model.model.model.layers.0.self_attn.o_proj"
+    assert shapes[f"{q}.lora_B.weight"] == (base.model.layers[0].self_attn.q_proj.out_features, 4), shapes
+    assert shapes[f"{o}.lora_A.weight"] == (4, base.model.layers[0].self_attn.o_proj.in_features), shapes
+    ref = PeftModel.from_pretrained(base, adapter).eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", experts_implementation="eager").eval()
+    with torch.no_grad():
+        expected = ref(results[0]["ids"]).logits
+        from_merged = merged(results[0]["ids"]).logits
+    for r in results:
+        assert (r["logits"] - expected).abs().max().item() <= TOL
+        assert (from_merged - r["logits"]).abs().max().item() <= TOL
+        assert r["reloaded"] <= TOL and r["merged"] <= TOL and r["unwrapped"], r
+
+
+REFUSED = {  # LoraConfig, the layout, what the message names
+    "all-linear": (dict(target_modules="all-linear"), {}, "target_parameters entry 'down_proj'"),
+    "transformers' expert names": (dict(target_parameters=["mlp.experts.gate_up_proj"]), {}, "names no parameter"),
+    "router": (dict(target_parameters=["mlp.gate.weight"]), {}, "names parameters of"),
+    "expert parallel": (dict(target_parameters=["mlp.experts.w1"]), dict(ep_size=2), "not yet ExpertParallel"),
+    "pissa": (dict(target_modules=ATTENTION, init_lora_weights="pissa"), {}, "init_lora_weights='pissa'"),
+    "dora": (dict(target_modules=ATTENTION, use_dora=True), {}, "use_dora=True"),
+    "embedding": (dict(target_modules=["embed_tokens"]), {}, "only linear layers"),
+    "modules_to_save with FSDP2": (dict(target_modules=ATTENTION, modules_to_save=["lm_head"]), dict(fsdp_size=2),
+                                   "modules_to_save=['lm_head']"),
+    "trainable tokens": (dict(target_modules=ATTENTION, trainable_token_indices=[1, 2]), {},
+                         "trainable_token_indices"),
+}
+
+
+def _refused(path: str, lora: dict, layout: dict) -> str | None:
+    from peft import LoraConfig, get_peft_model
+
+    from hf_moe_tp.lora import UnsupportedLoraError
+
+    try:
+        get_peft_model(layout_model(path, layout), LoraConfig(r=4, **lora))
+    except UnsupportedLoraError as e:
+        return str(e)
+    return None
+
+
+def _other_method_refused(path: str) -> str | None:
+    from peft import LoHaConfig, get_peft_model
+
+    from hf_moe_tp.lora import UnsupportedLoraError
+
+    try:
+        get_peft_model(layout_model(path, {}), LoHaConfig(r=4, target_modules=ATTENTION))
+    except UnsupportedLoraError as e:
+        return str(e)
+    return None
+
+
+def test_lora_refusals(ranks, checkpoints):  # noqa: F811 - the fixture
+    """What is not placed on the TP model is refused by name on every rank: target_parameters other than our
+    experts' w1/w3/w2 under TensorParallel (transformers' names, which PEFT makes of 'all-linear' on Mixtral;
+    routers; ExpertParallel), base-weight initialisations, LoRA variants, embeddings, other PEFT methods."""
+    path = checkpoints("mixtral")
+    for case, (lora, layout, named) in REFUSED.items():
+        for message in ranks(2).run(_refused, path, lora, layout):
+            assert message is not None and named in message, (case, message)
+    for message in ranks(2).run(_other_method_refused, path):
+        assert message is not None and "LoHaModel" in message, message
+
+
+def _second_adapter(path: str) -> dict:
+    """A second adapter added to the PEFT model (PEFT's update_layer on layers that hold one already, new layers
+    elsewhere) is placed too: 2 steps on it against one process, from one process's adapters."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+    first = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    second = LoraConfig(r=2, target_modules=["q_proj", "o_proj"], init_lora_weights=False)
+    models = {}
+    for name, base in (("tp", layout_model(path, {})),
+                       ("ref", AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train())):
+        torch.manual_seed(0)
+        model = get_peft_model(base, first)
+        model.add_adapter("two", second)
+        model.set_adapter("two")  # the second adapter trains, the first is left inactive
+        models[name] = model
+    for adapter in ("default", "two"):
+        set_peft_model_state_dict(models["tp"], get_peft_model_state_dict(models["ref"], adapter_name=adapter),
+                                  adapter_name=adapter)
+    losses = {}
+    for name, model in models.items():
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses[name] = run_steps(model, opt, batches(model.config.vocab_size, 2))[0] if name == "tp" else []
+        if name == "ref":
+            for ids in batches(model.config.vocab_size, 2):
+                loss = model(ids, labels=ids).loss
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+                losses[name].append(loss.item())
+    report = placement_report(models["tp"], "two")
+    two = [p for n, p in models["tp"].named_parameters() if ".two." in n]
+    return {"loss": max(abs(a - b) for a, b in zip(losses["tp"], losses["ref"], strict=True)),
+            "wrong": report["wrong"], "two": len(two), "trainable": all(p.requires_grad for p in two),
+            "dtensor": all(isinstance(p, DTensor) for n, p in models["tp"].named_parameters() if "lora_" in n)}
+
+
+def test_second_adapter(ranks, checkpoints):  # noqa: F811 - the fixture
+    """PeftModel.add_adapter on the TP model: the new adapter's factors are DTensors placed like their base layers
+    (on layers that already hold one adapter, and on new ones), and training it matches one process."""
+    for r in ranks(2).run(_second_adapter, checkpoints("mixtral")):
+        assert r["loss"] <= TOL and not r["wrong"] and r["two"] == 8 and r["trainable"] and r["dtensor"], r
