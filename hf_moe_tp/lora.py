@@ -143,8 +143,12 @@ def _follow_tuner(tuner: nn.Module) -> None:
         bound = signature.bind(self, *args, **kwargs)
         target = bound.arguments["target"]
         bases = {id(m): m for m in (target, getattr(target, "get_base_layer", lambda: target)())}.values()
+        drawn_from = torch.random.get_rng_state()
         with _without_transformers_tp(bases):
             LoraModel._create_and_replace(self, *args, **kwargs)
+        # PEFT drew this rank's shapes; the whole shapes are drawn again from the same state, so the first rank
+        # draws what one process seeded alike draws
+        torch.random.set_rng_state(drawn_from)
         layer = getattr(bound.arguments["parent"], bound.arguments["target_name"])
         shard_adapter(layer, bound.arguments["adapter_name"], bound.arguments["lora_config"],
                       name=bound.arguments.get("current_key") or "")
