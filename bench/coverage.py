@@ -1,6 +1,7 @@
 """Coverage matrix: every MoE family of the installed transformers, loaded at TP=2, against one process.
 
-    python bench/coverage.py [--families mixtral,olmoe] [--timeout 120] [--no-native] [--out docs/models.md]
+    python bench/coverage.py [--families mixtral,olmoe] [--timeout 120] [--no-native] [--no-multimodal]
+                             [--out docs/models.md]
 
 Families are discovered, not listed: every expert class that transformers' ``@use_experts_implementation``
 decorated (its ``__init__`` is the decorator's wrapper), plus Llama 4 (experts without the decorator). For
@@ -12,7 +13,10 @@ saved with ``save_pretrained``, and at TP=2 on local gloo ranks:
   gives the same loss and logits after the step (:func:`step_tolerance`); also an expert hidden size that is
   odd (uneven shards);
 - native: transformers' own ``from_pretrained(path, tp_plan="auto")`` on the same files, hf_moe_tp not
-  installed: whether experts are sharded, logits match, a training step runs and matches.
+  installed: whether experts are sharded, logits match, a training step runs and matches;
+- multimodal families (a vision or audio tower): the full model through the class its checkpoint declares, with
+  an image (and a video where the family takes one) built from the config's geometry: the same checks
+  (bench/coverage_multimodal.py).
 
 Every failure is caught per family with a short reason; each family's run has a timeout. The results go to
 ``docs/models.md``. ``pytest -m coverage`` runs the same matrix (tests/test_coverage.py).
@@ -32,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the parts below, also when loaded by file path
 from coverage_checks import FP32_TOL, _short, _short_rank_error, ours_passes, run_native, run_ours, step_tolerance
 from coverage_models import Family, discover, save_tiny
+from coverage_multimodal import check_family
 from coverage_report import Result, _flags, write_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +44,7 @@ __all__ = ["FP32_TOL", "discover", "ours_passes", "run_ours", "save_tiny"]  # wh
 
 
 def run_family(pool, family: Family, root: Path, timeout: float, native: bool = True,
-               loss_parallel: bool = False) -> Result:
+               loss_parallel: bool = False, multimodal: bool = True) -> Result:
     res = Result(family.name, family.model_type, family.expert_classes, family.flags)
     start = time.perf_counter()
     try:
@@ -86,12 +91,15 @@ def run_family(pool, family: Family, root: Path, timeout: float, native: bool = 
                 res.native_reason = "; ".join(bad)
         except Exception as e:  # noqa: BLE001
             res.native, res.native_reason = "fail", _short_rank_error(e)
+    if multimodal:
+        for key, value in check_family(pool, family, root, timeout).items():
+            setattr(res, key, value)
     res.seconds = time.perf_counter() - start
     return res
 
 
 def run_matrix(names: list[str] | None = None, *, timeout: float = 180.0, native: bool = True,
-               loss_parallel: bool = False, log=print) -> list[Result]:
+               loss_parallel: bool = False, multimodal: bool = True, log=print) -> list[Result]:
     from hf_moe_tp.launch import RankPool
 
     families = discover()
@@ -101,13 +109,14 @@ def run_matrix(names: list[str] | None = None, *, timeout: float = 180.0, native
     with tempfile.TemporaryDirectory() as tmp, RankPool(2, timeout=timeout) as pool:
         for family in families:
             try:
-                res = run_family(pool, family, Path(tmp), timeout, native, loss_parallel)
+                res = run_family(pool, family, Path(tmp), timeout, native, loss_parallel, multimodal)
             except Exception:  # noqa: BLE001 - never let one family stop the run
                 res = Result(family.name, family.model_type, family.expert_classes, family.flags,
                              ours_reason=traceback.format_exc().strip().splitlines()[-1][:220])
             results.append(res)
-            log(f"{res.family:28s} ours={res.ours:4s} native={res.native:4s} {res.seconds:5.1f}s "
-                f"{res.ours_reason} | {res.native_reason}")
+            shown = ",".join(res.mm_verified) or ("text only" if res.mm_class else "-")
+            log(f"{res.family:28s} ours={res.ours:4s} native={res.native:4s} inputs={shown:11s} {res.seconds:5.1f}s "
+                f"{res.ours_reason} | {res.native_reason} | {res.mm_reason or res.mm_note}")
     return results
 
 
@@ -116,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", default="", help="comma-separated family names (default: all)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per family and step")
     parser.add_argument("--no-native", action="store_true", help="skip transformers' native tp_plan runs")
+    parser.add_argument("--no-multimodal", action="store_true",
+                        help="skip the multimodal families' full-class checks with images, video and audio")
     parser.add_argument("--out", default=str(ROOT / "docs" / "models.md"))
     parser.add_argument("--json", default="", help="also write the results as JSON here")
     parser.add_argument("--list", action="store_true", help="only list the discovered families")
@@ -128,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.perf_counter()
     results = run_matrix([n for n in args.families.split(",") if n] or None, timeout=args.timeout,
-                         native=not args.no_native, loss_parallel=args.loss_parallel)
+                         native=not args.no_native, loss_parallel=args.loss_parallel,
+                         multimodal=not args.no_multimodal)
     seconds = time.perf_counter() - start
     if args.out:
         write_markdown(results, Path(args.out), seconds)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,6 +25,13 @@ class Result:
     native_sharded: bool | None = None
     native_diff: float | None = None
     native_reason: str = ""
+    # multimodal families, loaded through their full class (bench/coverage_multimodal.py)
+    mm_class: str = ""
+    mm_verified: list[str] = field(default_factory=list)
+    mm_diff: float | None = None
+    mm_uneven_diff: float | None = None
+    mm_reason: str = ""
+    mm_note: str = ""
     seconds: float = 0.0
 
 
@@ -61,6 +68,8 @@ def write_markdown(results: list[Result], path: Path, seconds: float) -> None:
     ours = sum(r.ours == "pass" for r in results)
     native = sum(r.native == "pass" for r in results)
     native_sharded = sum(bool(r.native_sharded) for r in results)
+    multimodal = [r for r in results if r.mm_class]
+    with_images = [r for r in multimodal if r.mm_verified]
     lines = [
         "# MoE families covered",
         "",
@@ -70,6 +79,10 @@ def write_markdown(results: list[Result], path: Path, seconds: float) -> None:
         "",
         f"**{len(results)} families; hf_moe_tp passes {ours}; transformers' native `tp_plan=\"auto\"` passes "
         f"{native} (shards the experts in {native_sharded}).**",
+        "",
+        f"**{len(multimodal)} multimodal families: {len(with_images)} verified through their full class with "
+        f"images, {sum('video' in r.mm_verified for r in multimodal)} with video, "
+        f"{sum('audio' in r.mm_verified for r in multimodal)} with audio; the others as text only (why: below).**",
         "",
         "Each family: a tiny model from the family's config class (hidden 32, 2 layers, or one per kind of layer up "
         "to 4, 8 experts, vocabulary 128, expert hidden 24, and again 21 for uneven shards; the sizes go through the "
@@ -86,9 +99,19 @@ def write_markdown(results: list[Result], path: Path, seconds: float) -> None:
         "`AutoModelForCausalLM`; `text model` is the language decoder (`AutoModel` of the text config) where "
         "transformers maps no causal LM to the family's text config.",
         "",
+        "*Inputs verified*: `text` for a text-only family. A multimodal family (one with a vision or audio tower "
+        "and an image-text-to-text class) is also loaded whole, through the class its checkpoint declares "
+        "(`hf_moe_tp.from_pretrained(path)`, no `model_class`), with its towers shrunk the same way (depth 2, "
+        "hidden 32, patch 4) and inputs built from the config's geometry, no processor: an image (a 2 x 3 grid of "
+        "merged patches, or one image of the tower's size), and a video of two temporal patches where the forward "
+        "takes one; as many placeholder tokens as the family's own `get_image_features` / `get_video_features` "
+        "returns. Each listed input passed: the tower's features and the logits within 2e-5 of transformers' same "
+        "class in one process, with the image greedy `generate` identical and one SGD step matching, and the odd "
+        "expert width too. `text only`: see the last section for why.",
+        "",
         "| family | model_type | expert layout | loaded | adapter | ours | max diff (24 / 21) | native | "
-        "native experts sharded | native max diff |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "native experts sharded | native max diff | inputs verified |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         loaded = "CausalLM" if r.kind == "causal_lm" else (
@@ -96,7 +119,7 @@ def write_markdown(results: list[Result], path: Path, seconds: float) -> None:
         sharded = "-" if r.native_sharded is None else ("yes" if r.native_sharded else "no")
         lines.append(f"| {r.family} | {r.model_type} | {_flags(r.flags)} | {loaded} | {r.adapter} | "
                      f"{'**' + r.ours + '**' if r.ours == 'fail' else r.ours} | {_fmt(r.diff)} / {_fmt(r.uneven_diff)} "
-                     f"| {r.native} | {sharded} | {_fmt(r.native_diff)} |")
+                     f"| {r.native} | {sharded} | {_fmt(r.native_diff)} | {_inputs(r)} |")
     failing = [r for r in results if r.ours != "pass"]
     lines += ["", "## Why hf_moe_tp fails", ""]
     lines += [f"- **{r.family}**: {r.ours_reason}" + (f" ({NOTES[r.family]})" if r.family in NOTES else "")
@@ -104,4 +127,16 @@ def write_markdown(results: list[Result], path: Path, seconds: float) -> None:
     nfail = [r for r in results if r.native != "pass"]
     lines += ["", "## Why transformers' native TP fails", ""]
     lines += [f"- **{r.family}**: {r.native_reason or r.ours_reason}" for r in nfail] or ["None."]
+    lines += ["", "## Multimodal families verified as text only, or without some input", ""]
+    lines += [f"- **{r.family}** (`{r.mm_class}`): "
+              + "; ".join(x for x in (r.mm_reason and f"hf_moe_tp: {r.mm_reason}", r.mm_note) if x)
+              for r in multimodal if r.mm_reason or r.mm_note] or ["None."]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _inputs(r: Result) -> str:
+    if not r.mm_class:
+        return "text"
+    if not r.mm_verified:
+        return "**text only**" if r.mm_reason else "text only"
+    return ", ".join(["text", *r.mm_verified])
