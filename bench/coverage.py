@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the parts below, als
 from coverage_checks import FP32_TOL, _short, _short_rank_error, ours_passes, run_native, run_ours, step_tolerance
 from coverage_models import Family, discover, save_tiny
 from coverage_multimodal import check_family
-from coverage_report import Result, _flags, write_markdown
+from coverage_report import MM_NOTES, Result, _flags, write_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
-__all__ = ["FP32_TOL", "discover", "ours_passes", "run_ours", "save_tiny"]  # what tests/test_coverage.py uses
+__all__ = ["FP32_TOL", "MM_NOTES", "discover", "ours_passes", "run_ours", "save_tiny"]  # for tests/test_coverage.py
 
 
 def run_family(pool, family: Family, root: Path, timeout: float, native: bool = True,

@@ -52,8 +52,8 @@ FAMILY_TOWERS: dict[str, dict[str, dict]] = {
 # special tokens real checkpoints' configs carry that the config class does not declare
 EXTRA_TOKENS = {"qwen3_omni_moe_thinker": ("vision_start_token_id", "vision_end_token_id", "audio_end_token_id")}
 MODALITY_TYPE = {"image": 1, "video": 2, "audio": 3}  # transformers' mm_token_type_ids
-FIRST_SPECIAL = 100
-MAX_PARAMETERS = 20_000_000  # special tokens get ids from here; text tokens are drawn below it
+FIRST_SPECIAL = 100  # special tokens get ids from here; text tokens are drawn below it
+MAX_PARAMETERS = 20_000_000
 
 
 def multimodal_type(family: Family) -> tuple[str, str] | None:
@@ -134,7 +134,7 @@ def save_multimodal(family: Family, root: Path, expert_hidden: int, seed: int = 
     """Write the tiny full model with ``save_pretrained`` and its inputs beside it; returns both paths."""
     config = build_multimodal_config(family, expert_hidden)
     cls = _model_class(config)
-    with torch.device("meta"):  # a size a default left large would not fit beside the other engineers' work
+    with torch.device("meta"):  # a tower size no rule shrank (a full-size SAM encoder) would exhaust the memory
         size = sum(p.numel() for p in cls._from_config(config).parameters())
     if size > MAX_PARAMETERS:
         raise ValueError(f"the tiny {cls.__name__} has {size / 1e6:.0f} M parameters (a tower size not shrunk)")

@@ -42,6 +42,14 @@ NOTES = {
                   "config (config.per_layer_config)",
 }
 
+# Why a multimodal family's full class still fails in hf_moe_tp (shown after the error in docs/models.md).
+MM_NOTES = {
+    "inkling": "the full class's hub layout keeps the shared expert as one (1, 2I, H) tensor of interleaved gate "
+               "and up rows (shared_w13_weight) and a (1, H, I) shared_w2_weight, which transformers' conversion "
+               "turns into the shared expert's nn.Linear weights; hf_moe_tp.sources.Source cannot drop a "
+               "checkpoint dimension of size 1 yet",
+}
+
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.1e}"
@@ -129,7 +137,8 @@ def write_markdown(results: list[Result], path: Path, seconds: float) -> None:
     lines += [f"- **{r.family}**: {r.native_reason or r.ours_reason}" for r in nfail] or ["None."]
     lines += ["", "## Multimodal families verified as text only, or without some input", ""]
     lines += [f"- **{r.family}** (`{r.mm_class}`): "
-              + "; ".join(x for x in (r.mm_reason and f"hf_moe_tp: {r.mm_reason}", r.mm_note) if x)
+              + "; ".join(x for x in (r.mm_reason and f"hf_moe_tp: {r.mm_reason}", MM_NOTES.get(r.family),
+                                      r.mm_note) if x)
               for r in multimodal if r.mm_reason or r.mm_note] or ["None."]
     path.write_text("\n".join(lines) + "\n")
 

@@ -94,7 +94,8 @@ def tower_layout(model, name: str, plan: dict) -> TowerLayout:
     split = {k[len(name) + 1:]: v for k, v in plan.items() if k.startswith(f"{name}.")}
     split = {k: v for k, v in split.items() if any(isinstance(p, DTensor) and any(isinstance(x, Shard)
              for x in p.placements) for p in tower.get_submodule(k).parameters())}
-    replicated = [sub for sub, m in tower.named_modules() if sub not in split
+    replicated = [sub or f"(its own {', '.join(n for n, _ in m.named_parameters(recurse=False))})"
+                  for sub, m in tower.named_modules() if sub not in split
                   and any(True for _ in m.parameters(recurse=False))]
     return TowerLayout(type(tower).__name__, _summarise(split),
                        list(dict.fromkeys(re.sub(r"\.\d+(\.|$)", r".*\1", n) for n in replicated)))
@@ -157,7 +158,7 @@ def print_inspection(report: Inspection, tp: int) -> None:
         for pattern, style in tower.split.items():
             print(f"  split       {pattern}  {style}")
         for pattern in tower.replicated:
-            print(f"  replicated  {pattern or '(the tower itself)'}")
+            print(f"  replicated  {pattern}")
     print(f"parameters: {report.total_bytes / 2**20:.1f} MiB in all; "
           f"checkpoint files {report.checkpoint_bytes / 2**20:.1f} MiB")
     for rank, b in enumerate(report.rank_bytes):
