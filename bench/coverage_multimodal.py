@@ -484,5 +484,5 @@ def check_family(pool, family: Family, root: Path, timeout: float) -> dict:
             bad = f"odd expert hidden 21: {why}" if why else ""
         out.update(mm_verified=verified if not bad else [], mm_reason=bad)
     except Exception as e:  # noqa: BLE001
-        out["mm_reason"] = _short_rank_error(e)
+        out["mm_reason"] = _short_rank_error(e).replace(f"{root}/", "")  # no temporary paths in the report
     return out

@@ -112,10 +112,12 @@ def write_markdown(results: list[Result], path: Path, seconds: float) -> None:
         "(`hf_moe_tp.from_pretrained(path)`, no `model_class`), with its towers shrunk the same way (depth 2, "
         "hidden 32, patch 4) and inputs built from the config's geometry, no processor: an image (a 2 x 3 grid of "
         "merged patches, or one image of the tower's size), and a video of two temporal patches where the forward "
-        "takes one; as many placeholder tokens as the family's own `get_image_features` / `get_video_features` "
-        "returns. Each listed input passed: the tower's features and the logits within 2e-5 of transformers' same "
-        "class in one process, with the image greedy `generate` identical and one SGD step matching, and the odd "
-        "expert width too. `text only`: see the last section for why.",
+        "takes one, and a short audio clip where it takes one (mel features, dMel ids or a waveform, as its "
+        "`get_audio_features` reads them); as many placeholder tokens as the family's own `get_image_features` / "
+        "`get_video_features` / `get_audio_features` returns. Each listed input passed: the tower's features and the "
+        "logits within 2e-5 of transformers' same class in one process (worst logits difference shown, expert hidden "
+        "24 / 21), with the image greedy `generate` identical and one SGD step matching, and the odd expert width "
+        "too. `text only`: see the last section for why (bold: hf_moe_tp fails the full class).",
         "",
         "| family | model_type | expert layout | loaded | adapter | ours | max diff (24 / 21) | native | "
         "native experts sharded | native max diff | inputs verified |",
@@ -148,4 +150,4 @@ def _inputs(r: Result) -> str:
         return "text"
     if not r.mm_verified:
         return "**text only**" if r.mm_reason else "text only"
-    return ", ".join(["text", *r.mm_verified])
+    return ", ".join(["text", *r.mm_verified]) + f" ({_fmt(r.mm_diff)} / {_fmt(r.mm_uneven_diff)})"
