@@ -1,5 +1,6 @@
 """The README's main job: a Mixtral-format checkpoint loaded tensor-parallel on local ranks, checked against
-transformers in one process.
+transformers in one process. Beside it, for the notebook, a tiny vision-language MoE (Qwen3-VL-MoE) and an image
+made up for it, patched as its processor would (:func:`demo_vl_checkpoint`, :func:`demo_image_inputs`).
 
 The embedded default needs no download: a small Mixtral (4 layers, 8 experts) with seeded weights, written
 once with transformers' ``save_pretrained`` (the hub's per-expert format) into a cache folder. The demo starts
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, MixtralConfig
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, MixtralConfig, Qwen3VLMoeConfig
 
 from .launch import run_on_ranks
 
@@ -24,6 +25,14 @@ DEMO_CONFIG = dict(hidden_size=256, intermediate_size=704, num_local_experts=8, 
                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, vocab_size=1024,
                    max_position_embeddings=256, tie_word_embeddings=False)
 PROMPT = list(range(10, 26))
+# A tiny Qwen3-VL-MoE: a 2-layer MoE decoder (8 experts) and a 2-block vision tower of 4 x 4 patches merged 2 x 2.
+VL_TEXT = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+               max_position_embeddings=256,
+               rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+VL_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, spatial_merge_size=2,
+                 temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64, deepstack_visual_indexes=[0])
+VL_TOKENS = dict(image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
 
 
 def cache_dir() -> Path:
@@ -45,6 +54,49 @@ def demo_checkpoint(path: Path | None = None) -> Path:
         model.save_pretrained(tmp)
         os.replace(tmp, path)
     return path
+
+
+def demo_vl_checkpoint(path: Path | None = None) -> Path:
+    """Write the tiny vision-language MoE (Qwen3-VL-MoE, seeded weights, ``save_pretrained``) if it is missing;
+    return its folder."""
+    path = path or cache_dir() / "demo-qwen3-vl-moe"
+    if not (path / "config.json").is_file():
+        torch.manual_seed(0)
+        config = Qwen3VLMoeConfig(text_config=VL_TEXT, vision_config=VL_VISION, tie_word_embeddings=False, **VL_TOKENS)
+        model = AutoModelForImageTextToText.from_config(config)
+        with torch.no_grad():  # O(1) activations so the comparison is meaningful
+            for name, p in model.named_parameters():
+                if p.dim() >= 2:
+                    p.normal_(0, 1.0 if "embed_tokens" in name else p.shape[-1] ** -0.5)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        os.replace(tmp, path)
+    return path
+
+
+def demo_image(size: int = 32) -> torch.Tensor:
+    """A made-up RGB image, (3, size, size) in [0, 1]: a red-green gradient with a blue disc."""
+    y, x = torch.meshgrid(torch.linspace(0, 1, size), torch.linspace(0, 1, size), indexing="ij")
+    disc = (((x - 0.6) ** 2 + (y - 0.4) ** 2) < 0.06).float()
+    return torch.stack([x, y, disc])
+
+
+def demo_image_inputs(image: torch.Tensor, prompt: list[int] = PROMPT[:6]) -> dict[str, torch.Tensor]:
+    """``image`` (3, H, W), H and W multiples of 8, as Qwen3-VL-MoE's processor hands it to the model: patches of
+    4 x 4 pixels flattened in merge-window order and repeated over the 2 temporal steps, ``image_grid_thw``, and
+    ``prompt`` around one placeholder token per 2 x 2 merged patches."""
+    patch, merge, steps = VL_VISION["patch_size"], VL_VISION["spatial_merge_size"], VL_VISION["temporal_patch_size"]
+    channels, height, width = image.shape
+    gh, gw = height // patch, width // patch
+    normalized = (image - 0.5) / 0.5  # the processor's mean and std
+    patches = normalized.reshape(channels, gh // merge, merge, patch, gw // merge, merge, patch)
+    patches = patches.permute(1, 4, 2, 5, 0, 3, 6).unsqueeze(5).expand(-1, -1, -1, -1, -1, steps, -1, -1)
+    pixel_values = patches.reshape(gh * gw, channels * steps * patch * patch)
+    image_tokens = [VL_TOKENS["image_token_id"]] * (gh * gw // merge**2)
+    ids = torch.tensor([prompt[:3] + [VL_TOKENS["vision_start_token_id"], *image_tokens,
+                                      VL_TOKENS["vision_end_token_id"]] + prompt[3:]])
+    return {"input_ids": ids, "mm_token_type_ids": (ids == VL_TOKENS["image_token_id"]).long(),
+            "pixel_values": pixel_values, "image_grid_thw": torch.tensor([[1, gh, gw]])}
 
 
 @dataclass

@@ -84,9 +84,14 @@ def unpaired_rowwise_entries(model: nn.Module, tp_size: int | None) -> dict:
         for name, module in modules.items():
             if not (matches(name, pattern) and isinstance(module, nn.Linear)):
                 continue
-            parent = modules.get(name.rpartition(".")[0]) if "." in name else model
-            prefix = f"{name.rpartition('.')[0]}." if "." in name else ""
-            if not any(matches(prefix + child, p) for child, _ in parent.named_children() for p in colwise):
+            # the block holding the layer: above any wrapper whose only child it is (Gemma 4's vision
+            # ``o_proj.linear`` inside a clipping ``o_proj``), then its siblings and their parts
+            block = name.rpartition(".")[0]
+            while block and len(list(modules[block].children())) == 1:
+                block = block.rpartition(".")[0]
+            prefix = f"{block}." if block else ""
+            if not any(matches(sub, p) for sub in modules if sub.startswith(prefix) and sub != name
+                       for p in colwise):
                 out[name] = LocalParams(sum_grads=False)
     return out
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from . import plans
 from .checkpoint import ST_DTYPES, Checkpoint
 from .conversions import model_keys, parameter_sources
 from .quantized import CheckpointView, checkpoint_view
+from .towers import towers
 
 
 @dataclass
@@ -42,6 +43,17 @@ class Inspection:
     checkpoint_bytes: int
     quantization: str | None = None
     rank_disk_bytes: list[int] | None = None
+    towers: dict[str, TowerLayout] = field(default_factory=dict)
+
+
+@dataclass
+class TowerLayout:
+    """A vision or audio tower at this TP size: its class, the modules the plan splits (pattern -> style) and
+    the modules whose parameters stay whole (replicated DTensors), patterns with layer numbers as ``*``."""
+
+    model_class: str
+    split: dict[str, str]
+    replicated: list[str]
 
 
 def inspect_checkpoint(path: str | Path, tp: int) -> Inspection:
@@ -83,6 +95,7 @@ def inspect_checkpoint(path: str | Path, tp: int) -> Inspection:
         checkpoint_bytes=sum(f.stat().st_size for f in {i.file for i in ckpt.tensors.values()}),
         quantization=view.quantization.describe() if view.quantization else None,
         rank_disk_bytes=disk_bytes,
+        towers={name: tower_layout(model, name, plan) for name in towers(model)},
     )
 
 
@@ -125,6 +138,19 @@ def _box(p: torch.Tensor, tp: int, rank: int) -> tuple[tuple[int, int], ...]:
     return tuple(box)
 
 
+def tower_layout(model, name: str, plan: dict) -> TowerLayout:
+    """Which modules of tower ``name`` the (applied) ``plan`` splits and which keep whole parameters."""
+    tower = model.get_submodule(name)
+    split = {k[len(name) + 1:]: v for k, v in plan.items() if k.startswith(f"{name}.")}
+    split = {k: v for k, v in split.items() if any(isinstance(p, DTensor) and any(isinstance(x, Shard)
+             for x in p.placements) for p in tower.get_submodule(k).parameters())}
+    replicated = [sub or f"(its own {', '.join(n for n, _ in m.named_parameters(recurse=False))})"
+                  for sub, m in tower.named_modules() if sub not in split
+                  and any(True for _ in m.parameters(recurse=False))]
+    return TowerLayout(type(tower).__name__, _summarise(split),
+                       list(dict.fromkeys(re.sub(r"\.\d+(\.|$)", r".*\1", n) for n in replicated)))
+
+
 def _local_numel(p: torch.Tensor, mesh, rank: int) -> int:
     """Elements rank ``rank`` of the 1-D mesh holds, by torch's own sharding arithmetic."""
     if not isinstance(p, DTensor):
@@ -154,7 +180,10 @@ def style_label(style) -> str:
     for attr, short in (("input_layouts", "in"), ("output_layouts", "out"), ("output_layout", "out"),
                         ("input_layout", "in")):
         value = getattr(style, attr, None)
-        default = getattr(type(style)(), attr, None)
+        try:
+            default = getattr(type(style)(), attr, None)
+        except TypeError:  # a style with required arguments (MlaKvAProj): no defaults to differ from
+            default = None
         if value is not None and value != default:
             parts.append(f"{short}={value}")
     if getattr(style, "placements", None):
@@ -173,6 +202,13 @@ def print_inspection(report: Inspection, tp: int) -> None:
     for pattern, style in report.plan.items():
         print(f"  {pattern:<{width}}  {style}")
     print("  every other parameter: replicated DTensor (LocalParams)")
+    for name, tower in report.towers.items():
+        print(f"tower {name} ({tower.model_class}): {len(tower.split)} module pattern(s) split, "
+              f"{len(tower.replicated)} replicated")
+        for pattern, style in tower.split.items():
+            print(f"  split       {pattern}  {style}")
+        for pattern in tower.replicated:
+            print(f"  replicated  {pattern}")
     print(f"quantization: {report.quantization or 'none'}")
     print(f"parameters: {_size(report.total_bytes)} in all; checkpoint files {_size(report.checkpoint_bytes)}")
     disk = report.rank_disk_bytes or [0] * len(report.rank_bytes)

@@ -27,6 +27,7 @@ from .experts import GroupedExperts
 from .hf_plan import entries, heads_divide, matches
 from .linear import ColumnParallel, RowParallel
 from .styles import LocalParams, NoParallel, TensorParallel, VocabParallelEmbedding, swap_to_local
+from .towers import owning_config, towers
 
 # transformers' plan names -> torch styles. Expert entries are ours (TensorParallel on GroupedExperts).
 HF_STYLES = {
@@ -71,7 +72,6 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, 
         tp_size = torch.distributed.get_world_size()
     modules = dict(model.named_modules())
     plan: dict[str, ParallelStyle] = {}
-    config = getattr(model, "config", None)
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     for pattern, style_name in (getattr(model, "_tp_plan", None) or {}).items():
         if style_name not in HF_STYLES:
@@ -81,7 +81,7 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, 
             if _inside_experts(name, modules) or (tied and isinstance(module, nn.Embedding | nn.Linear)
                                                   and _is_embedding_or_head(name, model)):
                 continue
-            if tp_size is None or _divides(name, module, style_name, config, tp_size):
+            if tp_size is None or _divides(name, module, style_name, owning_config(model, name), tp_size):
                 plan[name] = HF_STYLES[style_name]()
     head = _output_embedding_name(model)
     if (head and head not in plan and not tied and tp_size and isinstance(modules[head], nn.Linear)
@@ -218,6 +218,10 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
              for n, p in module.named_parameters(recurse=False) if p is not None]
     if local:
         swap_to_local(model, local)
+        # transformers' generate runs the towers outside the model's forward (get_image_features): the same there
+        for tower in towers(model).values():
+            inside = {id(m) for m in tower.modules()}
+            swap_to_local(tower, [(m, n) for m, n in local if id(m) in inside])
     return model
 
 

@@ -11,15 +11,18 @@ from torch import nn
 from .base import Adapter
 from .beam import BeamAdapter
 from .deepseek_v4 import DeepseekV4Adapter
+from .ernie4_5_vl_moe import Ernie45VLMoeAdapter
 from .gpt_oss import GptOssAdapter
 from .inkling2_loop import Inkling2LoopAdapter
 from .llama4 import Llama4Adapter
 from .minimax_m3_vl import MiniMaxM3VLAdapter
+from .mistral_large4 import MistralLarge4Adapter
 
 # model_type -> adapter, for families that differ from the generic layout-driven adapter.
 FAMILIES: dict[str, Adapter] = {
     "beam": BeamAdapter(),
     "deepseek_v4": DeepseekV4Adapter(),
+    "ernie4_5_vl_moe": Ernie45VLMoeAdapter(),
     "gpt_oss": GptOssAdapter(),
     "inkling2_loop": Inkling2LoopAdapter(),
     "inkling2_loop_text": Inkling2LoopAdapter(),
@@ -27,6 +30,7 @@ FAMILIES: dict[str, Adapter] = {
     "llama4": Llama4Adapter(),
     "minimax_m3_vl": MiniMaxM3VLAdapter(),
     "minimax_m3_vl_text": MiniMaxM3VLAdapter(),
+    "mistral_large4": MistralLarge4Adapter(),
 }
 
 

@@ -169,20 +169,20 @@ def per_expert_sources(
 
 
 def per_expert_names_from_conversions(conversions: list) -> list[tuple[str, ...]]:
-    """(gate, up, down) names of per-expert keys that transformers' conversion mapping merges into experts."""
-    found: dict[str, list[str]] = {}
+    """(gate, up, down) names of per-expert keys that transformers' conversion mapping merges into experts, one
+    tuple per expert kind it names (Dots3's text experts and its vision tower's ``fc1``/``fc3``/``fc2``)."""
+    found: dict[str, list[tuple[str, ...]]] = {}
     for conversion in conversions:
         targets = getattr(conversion, "target_patterns", [])
         for target in targets:
             for packed in ("gate_up_proj", "down_proj", "up_proj"):
                 if target.endswith(f"experts.{packed}"):
-                    names = [m.group(1) for p in conversion.source_patterns
-                             if (m := re.search(r"experts\.\*\.(\w+)\.weight$", p))]
-                    if names:
-                        found.setdefault(packed, names)
-    gate_up = found.get("gate_up_proj") or found.get("up_proj")
-    down = found.get("down_proj")
-    return [(*gate_up, *down)] if gate_up and down else []
+                    names = tuple(m.group(1) for p in conversion.source_patterns
+                                  if (m := re.search(r"experts\.\*\.(\w+)\.weight$", p)))
+                    if names and names not in found.setdefault(packed, []):
+                        found[packed].append(names)
+    gate_ups = found.get("gate_up_proj") or found.get("up_proj") or []
+    return [(*gate_up, *down) for gate_up, down in zip(gate_ups, found.get("down_proj", []), strict=False)]
 
 
 @dataclass(frozen=True)

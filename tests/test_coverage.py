@@ -7,6 +7,11 @@ activation (minimax_m3_vl), a hub-style per-expert family (flex_olmo), MLA atten
 rotary key gradient is summed (deepseek_v2, transformers' ``mla_kv_a_proj``), a text decoder whose per-head
 norms transformers' plan leaves out (qwen3_vl_moe), and a checkpoint whose q/k/v convolutions transformers
 concatenates into one parameter (kimi_linear, a ``Concatenate`` conversion read piece by piece).
+
+Two multimodal families run whole, through the class their checkpoints declare, with an image and a video:
+ERNIE-4.5-VL (hub checkpoint with text and vision experts in one list, vision experts routed for the image
+tokens, the vision MLP split by transformers' plan) and GLM-4.5V (a replicated vision tower whose parameters
+its own code reads, run by ``generate`` outside the forward; video frames as image placeholders).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBSET = ["aria", "minimax_m3_vl", "flex_olmo", "deepseek_v2", "qwen3_vl_moe", "kimi_linear"]
+MULTIMODAL = ["ernie4_5_vl_moe", "glm4v_moe"]
 
 
 def _cov():
@@ -38,9 +44,16 @@ def _ours(path: str, kind: str, full: bool = True) -> dict:  # runs on the ranks
     return _cov().run_ours(path, kind, full)
 
 
+def _multimodal(path: str, inputs: str, full: bool = True) -> dict:  # on the ranks
+    _cov()
+    import coverage_multimodal
+
+    return coverage_multimodal.run_multimodal(path, inputs, full)
+
+
 @pytest.fixture(scope="module")
 def families():
-    return {f.name: f for f in _cov().discover() if f.name in SUBSET}
+    return {f.name: f for f in _cov().discover() if f.name in SUBSET + MULTIMODAL}
 
 
 @pytest.mark.parametrize("name", SUBSET)
@@ -53,6 +66,37 @@ def test_family_subset(ranks, families, tmp_path, name):
     path, kind = cov.save_tiny(families[name], tmp_path, expert_hidden=21)  # odd: uneven shards
     result = ranks(2).run(_ours, str(path), kind, False)[0]
     assert cov.ours_passes(result) == "", result
+
+
+@pytest.mark.parametrize("name", MULTIMODAL)
+def test_multimodal_family(ranks, families, tmp_path, name):
+    """The full class at TP=2 with an image and a video: features, logits, greedy generate, SGD step; and the odd
+    expert width."""
+    _cov()
+    import coverage_multimodal as mm
+
+    path, inputs = mm.save_multimodal(families[name], tmp_path, expert_hidden=24)
+    result = ranks(2).run(_multimodal, str(path), str(inputs))[0]
+    assert result["class"] == mm.multimodal_type(families[name])[1]
+    assert mm.multimodal_passes(result) == (["image", "video"], "", ""), result
+    assert result["tokens_equal"] and result["step_effect"] > 0.1, result  # generate ran; the step moved logits
+    path, inputs = mm.save_multimodal(families[name], tmp_path, expert_hidden=21)
+    result = ranks(2).run(_multimodal, str(path), str(inputs), False)[0]
+    assert mm.multimodal_passes(result) == (["image", "video"], "", ""), result
+
+
+def test_multimodal_discovery():
+    """The vision-language and omni families and the classes their checkpoints declare."""
+    _cov()
+    import coverage_multimodal as mm
+
+    found = {f.name: mm.multimodal_type(f) for f in _cov().discover()}
+    found = {name: mm_type for name, mm_type in found.items() if mm_type}
+    assert found["qwen3_vl_moe"] == ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration")
+    assert found["qwen3_omni_moe"] == ("qwen3_omni_moe_thinker", "Qwen3OmniMoeThinkerForConditionalGeneration")
+    assert found["llama4"] == ("llama4", "Llama4ForConditionalGeneration")
+    assert "mixtral" not in found and "mistral4" not in found  # text only (Mistral 4 has no tower)
+    assert len(found) >= 15
 
 
 def test_discovery_finds_the_decorated_families():
@@ -70,3 +114,8 @@ def test_full_matrix(tmp_path):
     results = json.loads(out.read_text())
     failing = {r["family"]: r["ours_reason"] for r in results if r["ours"] != "pass"}
     assert len(failing) <= 0.05 * len(results), failing
+    multimodal = [r for r in results if r["mm_class"]]
+    unexplained = {r["family"]: r["mm_reason"] for r in multimodal if r["mm_reason"] and r["family"] not in
+                   _cov().MM_NOTES}  # hf_moe_tp failing a full class: only the known, explained gaps
+    assert not unexplained, unexplained
+    assert sum(bool(r["mm_verified"]) for r in multimodal) >= 16  # with images, as docs/models.md (5.24) reports
