@@ -289,3 +289,60 @@ def test_accelerate_launch_training_loop(mixtral):
         optimizer.zero_grad()
         expected.append(loss.item())
     assert len(losses) == 4 and np.allclose(losses, expected, rtol=0, atol=1e-5), (losses, expected)
+
+
+LORA = dict(r=4, target_modules=["q_proj", "v_proj", "o_proj"], lora_dropout=0.0)
+
+
+def word_tokenizer(vocab: int = 128):
+    """A tokenizer for the tiny models' ids ("t0" ... "t127"), made here: TRL's SFTTrainer wants one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", pad_token="t0", unk_token="t0")
+
+
+def fit_lora(model, out: str, trainer: str) -> dict:
+    """LoRA on attention (column- and row-wise layers) through the Trainer (get_peft_model first) or TRL's
+    SFTTrainer (given the peft_config), adapters drawn from seed 5; every logged loss and gradient norm."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(5)
+    if trainer == "Trainer":
+        run = Trainer(model=get_peft_model(model, LoraConfig(**LORA)), args=arguments(out, max_steps=4),
+                      train_dataset=Rows(16))
+    else:
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        args = SFTConfig(out, use_cpu=True, per_device_train_batch_size=PER_DEVICE, max_steps=4, logging_steps=1,
+                         save_strategy="no", report_to=[], learning_rate=1e-2, seed=0, disable_tqdm=True,
+                         bf16=False)  # SFTConfig's default is bf16 autocast
+        data = Dataset.from_dict({"input_ids": Rows(16).ids.tolist()})
+        run = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=word_tokenizer(),
+                         peft_config=LoraConfig(**LORA))
+    run.train()
+    logged = [h for h in run.state.log_history if "loss" in h]
+    return {"loss": [h["loss"] for h in logged], "grad_norm": [h["grad_norm"] for h in logged]}
+
+
+def _fit_lora_on_ranks(path: str, out: str, trainer: str) -> dict:
+    _fresh_accelerate()
+    return fit_lora(hf_moe_tp.from_pretrained(path), out, trainer)
+
+
+@pytest.mark.parametrize("trainer", ["Trainer", "SFTTrainer"])
+def test_lora_with_the_trainer(ranks, mixtral, tmp_path, trainer):
+    """PEFT LoRA on q/v (column-wise) and o (row-wise) trained by transformers' Trainer and by TRL's SFTTrainer
+    with a peft_config, at TP=2: every step's loss and gradient norm equal the same run in one process."""
+    model = AutoModelForCausalLM.from_pretrained(mixtral, experts_implementation="eager")
+    try:
+        ref = fit_lora(model, str(tmp_path / "reference"), trainer)
+    finally:
+        _fresh_accelerate()
+    for r in ranks(2).run(_fit_lora_on_ranks, mixtral, str(tmp_path / "tp"), trainer):
+        assert len(r["loss"]) == 4, r
+        assert np.allclose(r["loss"], ref["loss"], rtol=0, atol=TOL), (r, ref)
+        assert np.allclose(r["grad_norm"], ref["grad_norm"], rtol=0, atol=TOL), (r, ref)
