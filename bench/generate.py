@@ -74,6 +74,26 @@ def bench_rank(path: str, dtype_name: str, batches: list[int], prompt: int, new:
     return out
 
 
+def profile_rank(path: str, dtype_name: str, prompt: int, steps: int, name: str) -> str:
+    """torch.profiler over ``steps`` decode steps of one variant at batch 1: the ops by self CPU time, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = load(name, path, getattr(torch, dtype_name)).eval()
+    ids = torch.randint(0, 32000, (1, prompt), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model.generate(ids, attention_mask=mask, max_new_tokens=steps + 1, min_new_tokens=steps + 1,
+                           do_sample=False)
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:20]
+    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    lines = [f"{name}: {total / steps / 1e3:.1f} ms of self CPU time per decode step (prefill included once)",
+             f"  {'op':<52} {'ms/step':>8} {'calls/step':>10}"]
+    lines += [f"  {e.key[:52]:<52} {e.self_cpu_time_total / steps / 1e3:8.2f} {e.count / steps:10.1f}" for e in rows]
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
@@ -83,9 +103,16 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--system-malloc", action="store_true", help="keep glibc's default malloc thresholds")
+    p.add_argument("--profile", type=int, metavar="STEPS", help="instead: profile STEPS decode steps at batch 1")
     args = p.parse_args()
     malloc = pin_malloc(args.system_malloc)
     make_checkpoint(args.dir)
+    if args.profile:
+        for dtype in args.dtypes:
+            for name in VARIANTS[:2]:
+                print(run_on_ranks(profile_rank, 2, str(args.dir), dtype, args.prompt, args.profile, name,
+                                   timeout=3600)[0])
+        return
     print(f"{args.dir.name}, TP=2, prompt {args.prompt}, {args.new} new greedy tokens, median of {args.repeats}, "
           f"{malloc}")
     for dtype in args.dtypes:
