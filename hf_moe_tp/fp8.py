@@ -161,18 +161,20 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dim: int, block: int, 
 # ---- making a model keep them ----------------------------------------------------------------------------------
 
 
-def keep_fp8_weights(model: nn.Module, path: str | Path, plan: dict[str, ParallelStyle]) -> None:
+def keep_fp8_weights(model: nn.Module, path: str | Path, plan: dict[str, ParallelStyle],
+                     view: CheckpointView | None = None) -> None:
     """Make ``model`` (on the meta device, its ``plan`` not yet applied) keep the FP8 weights of the checkpoint at
     ``path`` quantized: each ``nn.Linear`` and :class:`GroupedExperts` whose weights are FP8 there becomes
-    :class:`Fp8Linear` / :class:`Fp8Experts`. Reads headers only; anything that cannot be kept (another format,
-    per-tensor scales, an FP8 tensor of another kind of module, a style computing on DTensors) raises
-    ``ValueError`` naming it, before any read. Call :func:`place_scales` after applying the plan."""
+    :class:`Fp8Linear` / :class:`Fp8Experts`. Reads headers only (or takes their ``view``); anything that cannot
+    be kept (another format, per-tensor scales, an FP8 tensor of another kind of module, a style computing on
+    DTensors) raises ``ValueError`` naming it, before any read. Call :func:`place_scales` after the plan."""
     path = Path(path)
-    ckpt = Checkpoint(path)
-    try:
-        view = checkpoint_view(ckpt, getattr(model, "config", None))
-    finally:
-        ckpt.close()
+    if view is None:
+        ckpt = Checkpoint(path)
+        try:
+            view = checkpoint_view(ckpt, getattr(model, "config", None))
+        finally:
+            ckpt.close()
     quant = view.quantization
     if quant is None or quant.method != "fp8":
         found = f"is quantized as {quant.method!r}" if quant else "declares no quantization_config"

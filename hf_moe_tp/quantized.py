@@ -105,7 +105,8 @@ def refuse_requested(requested: Any) -> str | None:
     dequantize = getattr(requested, "dequantize", None)  # Mxfp4Config.to_dict() leaves it out
     if not (dequantize if dequantize is not None else qc.get("dequantize", False)):
         return (f"{method} without dequantize=True: quantized compute is not supported; hf_moe_tp dequantizes on "
-                f"read (pass dequantize=True, or no quantization_config)")
+                f"read (pass dequantize=True, or no quantization_config; keep_quantized=True keeps FP8 weights in "
+                f"memory and dequantizes them in the forward)")
     return None
 
 

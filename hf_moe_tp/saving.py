@@ -459,14 +459,14 @@ def _gather_box(t: torch.Tensor, box: Box, keep: bool) -> torch.Tensor | None:
             mine[dim] = slice(a - offset, b - offset)
             part = local[tuple(mine)]
             if me != dst:
-                dist.send(part.contiguous(), group=group, group_dst=dst)
+                dist.send(_wire(part.contiguous()), group=group, group_dst=dst)
                 continue
         elif target is not None and target.is_contiguous() and local.device.type == "cpu":
-            dist.recv(target, group=group, group_src=r)  # straight into place: no staging copy
+            dist.recv(_wire(target), group=group, group_src=r)  # straight into place: no staging copy
             continue
         else:
             part = torch.empty(_part_shape(box, dim, a, b), dtype=t.dtype, device=local.device)
-            dist.recv(part, group=group, group_src=r)
+            dist.recv(_wire(part), group=group, group_src=r)
         if target is not None:
             try:
                 target.copy_(part)
@@ -502,6 +502,11 @@ def _one_sharded_dim(t: DTensor) -> DTensor:
                                  stride=t.stride())
     _last_reduced[:] = [(t, reduced)]
     return reduced
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as sent: 8-bit floats (kept FP8 weights and scales) as their bytes, which every backend moves."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
 
 
 def _part_shape(box: Box, dim: int, a: int, b: int) -> list[int]:

@@ -95,10 +95,13 @@ def _expected_local(path: str, module, weight: str, key_of) -> tuple[torch.Tenso
 def _compare(path: str, kwargs: dict) -> dict:
     """The kept model against the dequantized one at the same layout (fp32); each rank's FP8 bytes and scales
     against the file."""
-    model = hf_moe_tp.from_pretrained(path, keep_quantized=True, **kwargs)
+    model = hf_moe_tp.from_pretrained(path, keep_quantized=True, record_reads=True, **kwargs)
     ref = hf_moe_tp.from_pretrained(path, **kwargs)
     with torch.no_grad():
         logits, ref_logits = model(IDS).logits, ref(IDS).logits
+    gate = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    reads = sorted((k, tuple((x.start, x.stop) for x in box)) for k, box in model.hf_moe_tp_load.reads
+                   if k.startswith(gate))
     tokens = model.generate(IDS[:1], max_new_tokens=8, do_sample=False)
     ref_tokens = ref.generate(IDS[:1], max_new_tokens=8, do_sample=False)
     experts = model.model.layers[1].mlp.experts
@@ -121,6 +124,7 @@ def _compare(path: str, kwargs: dict) -> dict:
         "tokens_equal": torch.equal(tokens, ref_tokens),
         "checked": checked,
         "kept": len(kept),
+        "reads": reads,
         "frozen": all(not p.requires_grad for p in kept),
         "modules": (sum(isinstance(m, Fp8Experts) for m in model.modules()),
                     sum(isinstance(m, Fp8Linear) for m in model.modules())),
@@ -132,10 +136,18 @@ def _compare(path: str, kwargs: dict) -> dict:
 def test_keep_quantized_matches_dequantized(ranks, fp8, world, kwargs):
     """fp32 logits within 1e-5 of the dequantized model's (measured 0: the same bf16/fp32 weight values, the same
     grouped matmul), identical greedy tokens; every rank holds exactly its slice of the checkpoint's FP8 bytes and,
-    for each of its rows (or columns), its block's scale; the FP8 weights are frozen."""
-    for r in ranks(world).run(_compare, fp8("blocks8"), kwargs):
+    for each of its rows (or columns), its block's scale, having read only those bytes and the grid rows covering
+    them; the FP8 weights are frozen."""
+    gate = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    for rank, r in enumerate(ranks(world).run(_compare, fp8("blocks8"), kwargs)):
         assert r["logits"] <= FP32_TOL and r["tokens_equal"], r
         assert all(all(pair) for pair in r["checked"].values()), r["checked"]
+        if not kwargs:  # TP: expert 0's gate rows (hidden 24) of this rank, and the grid rows (blocks of 8) covering
+            a, b = 24 * rank // world, 24 * (rank + 1) // world
+            assert r["reads"] == [(gate, ((a, b), (0, 32))), (gate + "_scale_inv", ((a // 8, -(-b // 8)), (0, 4)))]
+        elif world == 2:  # EP: expert 0 on rank 0 only, whole
+            assert r["reads"] == ([(gate, ((0, 24), (0, 32))), (gate + "_scale_inv", ((0, 3), (0, 4)))]
+                                  if rank == 0 else []), r["reads"]
         # DeepSeek-V3 tiny: 1 MoE layer; linears: 2 x (q_a, q_b, kv_a, kv_b, o) + dense MLP 3 + shared expert 3
         assert r["modules"] == (1, 16) and r["kept"] == 3 + 16 and r["frozen"], r
 
