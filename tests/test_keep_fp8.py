@@ -10,7 +10,6 @@ from __future__ import annotations
 import filecmp
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -407,12 +406,16 @@ def test_repeated_scale_boxes(dtype):
         assert reads == [("s", (box[0], slice(rows.start // 5, -(-rows.stop // 5)), box[2]))]
 
 
-def test_kept_layers_keep_the_checkpoint_dtypes(fp8, tmp_path):
-    """One process: FP8 weights e4m3 in the checkpoint's (out, in) memory order, scales in the checkpoint's scale
-    dtype (bf16 here), every other parameter in the model's dtype."""
-    path = Path(shutil.copytree(fp8("hub-bf16"), tmp_path / "copy"))
-    model = hf_moe_tp.from_pretrained(str(path), keep_quantized=True, dtype=torch.bfloat16)
+def _dtypes(path: str) -> tuple[bool, torch.dtype, set]:
+    model = hf_moe_tp.from_pretrained(path, keep_quantized=True, dtype=torch.bfloat16)
     experts = model.model.layers[1].mlp.experts
-    assert experts.w1.dtype == torch.float8_e4m3fn and experts.w1.to_local().transpose(1, 2).is_contiguous()
-    assert experts.w1_scale.dtype == torch.bfloat16
-    assert {p.dtype for p in model.parameters()} == {torch.float8_e4m3fn, torch.bfloat16, torch.float32}
+    in_file_order = experts.w1.dtype == torch.float8_e4m3fn and experts.w1.to_local().transpose(1, 2).is_contiguous()
+    return in_file_order, experts.w1_scale.dtype, {p.dtype for p in model.parameters()}
+
+
+def test_kept_layers_keep_the_checkpoint_dtypes(ranks, fp8):
+    """FP8 weights e4m3 in the checkpoint's (out, in) memory order, scales in the checkpoint's scale dtype (bf16
+    here), every other parameter in the model's dtype (DeepSeek-V3's router fp32, as transformers holds it)."""
+    ((in_file_order, scale_dtype, dtypes),) = ranks(1).run(_dtypes, fp8("hub-bf16"))
+    assert in_file_order and scale_dtype == torch.bfloat16
+    assert dtypes == {torch.float8_e4m3fn, torch.bfloat16, torch.float32}
