@@ -2,7 +2,8 @@
 ``tp_plan="auto"`` and torch DCP's ``HuggingFaceStorageReader``, in one run; then an FP8 checkpoint (Qwen3-MoE
 shaped, the hub's Qwen3-*-FP8 layout: per-expert e4m3 weights with 128 x 128 block scales, bf16 elsewhere; about
 0.5 GB) dequantized to bf16 on read, against transformers' ``tp_plan="auto"`` with
-``FineGrainedFP8Config(dequantize=True)``.
+``FineGrainedFP8Config(dequantize=True)``, and loaded keeping its FP8 weights (``keep_quantized=True``: the
+params column then counts FP8 weights, their scales and the bf16 rest).
 
     python bench/load.py [--tp 2] [--repeats 5] [--only plain|fp8] [--dir ~/.cache/hf_moe_tp/bench-mixtral-1.5g]
 
@@ -192,6 +193,20 @@ def load_hf_moe_tp_bf16(path: str) -> dict:
     return measure(load)
 
 
+def load_hf_moe_tp_kept(path: str) -> dict:
+    """FP8 weights kept (keep_quantized=True): parameters and their scale buffers (the rest bf16)."""
+    from torch.distributed.tensor import DTensor
+
+    import hf_moe_tp
+
+    def load():
+        model = hf_moe_tp.from_pretrained(path, dtype=torch.bfloat16, keep_quantized=True)
+        tensors = list(model.parameters()) + [b for b in model.buffers() if isinstance(b, DTensor)]
+        return model, sum(t.to_local().numel() * t.element_size() for t in tensors)
+
+    return measure(load)
+
+
 def load_transformers_fp8(path: str) -> dict:
     from torch.distributed.tensor import DTensor
     from transformers import FineGrainedFP8Config
@@ -214,6 +229,7 @@ LOADERS = {
 FP8_LOADERS = {
     "hf_moe_tp (FP8 -> bf16)": load_hf_moe_tp_bf16,
     "transformers FP8 dequantize": load_transformers_fp8,
+    "hf_moe_tp (FP8 kept)": load_hf_moe_tp_kept,
 }
 
 
@@ -240,8 +256,10 @@ def run_table(loaders: dict, path: Path, size: int, tp: int, repeats: int, what:
     for ref in names[1:]:
         ratios = [ours[r]["wall_s"] / medians[ref][r]["wall_s"] for r in range(tp)]
         memory = [ours[r]["peak_rss_mib"] / medians[ref][r]["peak_rss_mib"] for r in range(tp)]
+        params = [medians[ref][r]["local_param_mib"] / ours[r]["local_param_mib"] for r in range(tp)]
         print(f"{names[0]} / {ref}: wall " + ", ".join(f"rank {r} {x:.2f}x" for r, x in enumerate(ratios))
-              + "; peak RSS " + ", ".join(f"rank {r} {x:.2f}x" for r, x in enumerate(memory)))
+              + "; peak RSS " + ", ".join(f"rank {r} {x:.2f}x" for r, x in enumerate(memory))
+              + f"; {ref} params / ours " + ", ".join(f"rank {r} {x:.2f}x" for r, x in enumerate(params)))
 
 
 def main() -> None:

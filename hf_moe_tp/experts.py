@@ -167,25 +167,24 @@ class GroupedExperts(nn.Module):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         x, index, weights = _local(hidden_states), _local(top_k_index), _local(top_k_weights)
-        w1, w2 = _local(self.w1), _local(self.w2)
         num_tokens, top_k = index.shape
 
         # Sort the (token, slot) pairs by expert so each expert's rows are contiguous.
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         expert_of_row = flat[order]
-        counts = torch.bincount(flat, minlength=w1.shape[0])  # this rank's experts (all, unless expert-parallel)
+        counts = torch.bincount(flat, minlength=_local(self.w1).shape[0])  # this rank's experts (all, unless EP)
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = x[order // top_k]
         row_weights = weights.reshape(-1)[order].unsqueeze(-1)
         if self.score_before_experts:
             rows = rows * row_weights.to(rows.dtype)
 
-        h1 = _with_bias(grouped_mm(rows, w1, offsets), self.b1, expert_of_row)
+        h1 = _with_bias(self._matmul(rows, "w1", expert_of_row, offsets), self.b1, expert_of_row)
         h3 = None
         if self.w3 is not None:
-            h3 = _with_bias(grouped_mm(rows, _local(self.w3), offsets), self.b3, expert_of_row)
-        out = grouped_mm(self.activation(h1, h3), w2, offsets)
+            h3 = _with_bias(self._matmul(rows, "w3", expert_of_row, offsets), self.b3, expert_of_row)
+        out = self._matmul(self.activation(h1, h3), "w2", expert_of_row, offsets)
         if self.b2 is not None:
             out = out + _OnceAcrossShards.apply(_local(self.b2), _adds_row_bias(self.w2))[expert_of_row]
         if self.post_expert_norm is not None:
@@ -199,6 +198,12 @@ class GroupedExperts(nn.Module):
             out = out * row_weights
         out = torch.empty_like(out).index_copy_(0, order, out)  # in place: the out-of-place op clones first
         return out.view(num_tokens, top_k, out.size(-1)).sum(dim=1).to(x.dtype)
+
+    def _matmul(self, rows: torch.Tensor, name: str, expert_of_row: torch.Tensor, offsets: torch.Tensor
+                ) -> torch.Tensor:
+        """``rows`` (sorted by expert, ``offsets`` their cumulative ends) times their experts' weight ``name``.
+        Kept FP8 experts (:mod:`hf_moe_tp.fp8`) dequantize here."""
+        return grouped_mm(rows, _local(getattr(self, name)), offsets)
 
     def extra_repr(self) -> str:
         return (

@@ -31,9 +31,13 @@ class ColumnParallel(ColwiseParallel):
     input and a local output: this rank's slice of the features, or all of them (``output_layouts=Replicate()``,
     gathered)."""
 
+    def computes_locally(self, module: nn.Module) -> bool:
+        """Whether this style runs ``module`` on local tensors (otherwise torch's own implementation runs it)."""
+        return (isinstance(module, nn.Linear) and self.input_layouts == (Replicate(),) and self.use_local_output
+                and self.output_layouts[0] in (Shard(-1), Replicate()))
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not (isinstance(module, nn.Linear) and self.input_layouts == (Replicate(),) and self.use_local_output
-                and self.output_layouts[0] in (Shard(-1), Replicate())):
+        if not self.computes_locally(module):
             return super()._apply(module, device_mesh)
         _check_mesh(device_mesh, self)
         distribute_params(module, device_mesh, {"weight": Shard(0), "bias": Shard(0)}, self.src_data_rank)
@@ -58,9 +62,13 @@ class RowParallel(RowwiseParallel):
     features (``Shard(-1)``, the output of a :class:`ColumnParallel` layer) and whose output is whole: one
     all-reduce of the partial product, then the bias."""
 
+    def computes_locally(self, module: nn.Module) -> bool:
+        """Whether this style runs ``module`` on local tensors (otherwise torch's own implementation runs it)."""
+        return (isinstance(module, nn.Linear) and self.input_layouts[0] in (Shard(-1), Shard(1))
+                and self.output_layouts == (Replicate(),) and self.use_local_output)
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not (isinstance(module, nn.Linear) and self.input_layouts[0] in (Shard(-1), Shard(1))
-                and self.output_layouts == (Replicate(),) and self.use_local_output):
+        if not self.computes_locally(module):
             return super()._apply(module, device_mesh)
         _check_mesh(device_mesh, self)
         distribute_params(module, device_mesh, {"weight": Shard(1), "bias": Replicate()}, self.src_data_rank)

@@ -25,11 +25,12 @@ from tqdm.auto import tqdm
 from .checkpoint import Checkpoint, CheckpointError
 from .conversions import model_keys, parameter_sources
 from .experts import GroupedExperts
+from .fp8 import add_scale_sources, kept_scales
 from .quantized import Quantization, checkpoint_view
 from .sources import Box, Request
 
 # safetensors dtypes a floating parameter may be filled from (cast while copying)
-FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0"}
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class LoadReport:
     reads: list[tuple[str, tuple[slice, ...]]] = field(default_factory=list)
     bytes_read: int = 0
     seconds: float = 0.0
-    quantization: Quantization | None = None  # the checkpoint's, dequantized on read
+    quantization: Quantization | None = None  # the checkpoint's: dequantized on read, or FP8 weights kept
 
 
 def load_checkpoint(
@@ -76,7 +77,11 @@ def load_checkpoint(
             if isinstance(module, GroupedExperts):
                 module.materialize(device)
         targets = _targets(model)
-        sources = view.sources(parameter_sources(model, targets, shapes), to_ckpt)
+        found = parameter_sources(model, targets, shapes)
+        kept = kept_scales(model)
+        if kept:  # FP8 weights kept quantized (keep_quantized=True): their bytes, and their scales beside them
+            add_scale_sources(view, found, kept, to_ckpt, shapes)
+        sources = view.sources(found, to_ckpt)
         used = view.storage_keys({to_ckpt[s.key] for name in targets for s in sources.get(name, [])
                                   if s.key in to_ckpt})
         unexpected = sorted(set(ckpt.keys()) - used)
@@ -118,7 +123,7 @@ def load_checkpoint(
                 pass
         if hasattr(model, "tie_weights"):
             model.tie_weights()
-        if view.quantization is not None:  # the model now holds plain weights: it saves as a plain checkpoint
+        if view.quantization is not None and not kept:  # plain weights now: it saves as a plain checkpoint
             del model.config.quantization_config
         if unexpected and _rank() == 0:
             shown = ", ".join(unexpected[:8]) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")

@@ -16,6 +16,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from . import plans
 from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
+from .fp8 import keep_fp8_weights, place_scales
 from .fsdp import shard_data_parallel
 from .hf_arguments import refuse, resolve
 from .input_check import check_inputs_on, check_mode
@@ -47,6 +48,7 @@ def from_pretrained(
     check_inputs: str | None = None,
     experts_column_major: bool = False,
     timeout: float | None = None,
+    keep_quantized: bool = False,
     **hf_kwargs: Any,
 ) -> PreTrainedModel:
     """Load a Hugging Face MoE model tensor-parallel over ``device_mesh`` (or all ranks).
@@ -96,6 +98,13 @@ def from_pretrained(
     collective fails raises :class:`~hf_moe_tp.timeouts.CollectiveFailure` naming the ranks that did not
     report the failure.
 
+    ``keep_quantized``: on a block-scaled FP8 checkpoint, keep the FP8 weights of expert and linear layers in
+    memory with their block scales, sharded like the weights (:mod:`hf_moe_tp.fp8`: about half the bf16 model's
+    bytes per rank), dequantizing each rank's part as the forward needs it; the outputs are those of the
+    dequantized model within round-off, the FP8 weights cannot be trained, and ``save_pretrained`` writes the
+    checkpoint's own format back. Other checkpoints, FSDP2 layouts and plans splitting an FP8 weight across its
+    scale blocks are refused by name.
+
     ``hf_kwargs``: transformers' own ``from_pretrained`` arguments, honoured as there or refused by name
     (:mod:`hf_moe_tp.hf_arguments`, the README's table): ``dtype`` as a name or ``"auto"``,
     ``attn_implementation``, ``config`` (object or path), config attributes as overrides, ``revision``,
@@ -108,6 +117,9 @@ def from_pretrained(
     mesh that leaves this rank out), every rank raises :class:`LoadError` naming each failed rank's error.
     """
     refuse(hf_kwargs)  # the same arguments on every rank: the same refusal on every rank, before any read
+    if keep_quantized and hf_kwargs.get("quantization_config") is not None:
+        raise ValueError("keep_quantized=True with quantization_config=... (which asks to dequantize on read): pass "
+                         "one of them")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     started = device_mesh is None and init_process_group(timeout or DEFAULT_TIMEOUT_S)
@@ -131,6 +143,9 @@ def from_pretrained(
             raise ValueError(f"mp_policy={mp_policy} / offload_policy={offload_policy} with experts split over the "
                              "data-parallel ranks ('ep' beside 'tp', FSDP over ep): FSDP2 does not manage those "
                              "experts, so the policy would not reach them; load with dtype= instead, without them")
+        if layout.dp is not None and keep_quantized:
+            raise ValueError("keep_quantized=True with FSDP2 (fsdp_size, dp_replicate_size or a data-parallel mesh "
+                             "dimension): FP8 weights kept quantized are frozen; load them dequantized to train")
         if layout.dp is None and (mp_policy is not None or offload_policy is not None):
             raise ValueError("mp_policy and offload_policy are FSDP2's: they need fsdp_size, dp_replicate_size or "
                              "a device_mesh with a data-parallel dimension")
@@ -142,7 +157,11 @@ def from_pretrained(
         if ep_dispatch is not None:
             plan = {n: ExpertParallel(input_layout=s.input_layout, dispatch=ep_dispatch)
                     if isinstance(s, ExpertParallel) else s for n, s in plan.items()}
+        if keep_quantized:  # FP8 layers in, before the plan places them (headers only)
+            keep_fp8_weights(model, path, plan)
         plans.apply_plan(model, mesh, plan, ep_mesh=ep_mesh)
+        if keep_quantized:
+            place_scales(model)
         model.hf_moe_tp_mesh, model.hf_moe_tp_ep_mesh = mesh, ep_mesh
         same_draws_in_training(model, mesh)  # replicated random ops (router jitter, dropout) agree across TP
         if hasattr(model, "generate"):  # so do sampled tokens

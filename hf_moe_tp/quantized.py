@@ -105,7 +105,8 @@ def refuse_requested(requested: Any) -> str | None:
     dequantize = getattr(requested, "dequantize", None)  # Mxfp4Config.to_dict() leaves it out
     if not (dequantize if dequantize is not None else qc.get("dequantize", False)):
         return (f"{method} without dequantize=True: quantized compute is not supported; hf_moe_tp dequantizes on "
-                f"read (pass dequantize=True, or no quantization_config)")
+                f"read (pass dequantize=True, or no quantization_config; keep_quantized=True keeps FP8 weights in "
+                f"memory and dequantizes them in the forward)")
     return None
 
 
@@ -153,6 +154,7 @@ class Fp8Weight:
     shape: tuple[int, ...]
     block: tuple[int, int] | None  # None: one scale for the whole tensor
     scale_dtype: str
+    dtype: str = "F8_E4M3"
 
     def reads(self, slices: tuple[slice, ...]) -> list[tuple[str, tuple[slice, ...]]]:
         """The checkpoint boxes that hold ``self[slices]``: the FP8 elements themselves, and the scales of the
@@ -168,8 +170,8 @@ class Fp8Weight:
     def read(self, read: Read, slices: tuple[slice, ...]) -> torch.Tensor:
         """``self[slices]`` dequantized, in fp32."""
         (wkey, wbox), (skey, sbox) = self.reads(slices)
-        values = _fp8_to_float32(read(wkey, wbox))
-        scale = _scale_values(read(skey, sbox), self.scale_dtype)
+        values = fp8_to_float32(read(wkey, wbox))
+        scale = scale_values(read(skey, sbox), self.scale_dtype)
         if self.block is None:
             return values.mul_(scale.reshape(()))
         (r0, _), (c0, _) = _bounds(slices, self.shape)[-2:]
@@ -208,7 +210,36 @@ class Mxfp4Weight:
         return values[..., start: start + i1 - i0].transpose(-1, -2)
 
 
-Stored = Fp8Weight | Mxfp4Weight
+@dataclass(frozen=True)
+class RepeatedScale:
+    """The scales ``key`` of a kept FP8 weight (:mod:`hf_moe_tp.fp8`), as the tensor they are kept as: the block
+    grid with each block's scale repeated ``block`` times along ``dim`` and cut to the weight's ``length`` there
+    (each row, or column, holding its own block's scale), in the scales' own dtype; ``shape`` is that tensor's."""
+
+    key: str
+    shape: tuple[int, ...]
+    dim: int
+    block: int
+
+    def reads(self, slices: tuple[slice, ...]) -> list[tuple[str, tuple[slice, ...]]]:
+        """The grid rows (along :attr:`dim`) covering ``slices``, with the box's extent along the other dims."""
+        bounds = _bounds(slices, self.shape)
+        a, b = bounds[self.dim]
+        box = [slice(lo, hi) for lo, hi in bounds]
+        box[self.dim] = slice(a // self.block, -(-b // self.block))
+        return [(self.key, tuple(box))]
+
+    def read(self, read: Read, slices: tuple[slice, ...]) -> torch.Tensor:
+        """``self[slices]``: the grid rows read, repeated and cut (bytes unchanged)."""
+        ((key, box),) = self.reads(slices)
+        grid = read(key, box)
+        raw = grid.view(torch.uint8) if grid.element_size() == 1 else grid  # 8-bit floats: repeat their bytes
+        a, b = _bounds(slices, self.shape)[self.dim]
+        out = raw.repeat_interleave(self.block, self.dim).narrow(self.dim, a % self.block, b - a)
+        return out.view(grid.dtype)
+
+
+Stored = Fp8Weight | Mxfp4Weight | RepeatedScale
 
 # each byte's two e2m1 values, low nibble first: one gather per byte
 _E2M1_PAIRS = torch.tensor([[E2M1[b & 0x0F], E2M1[b >> 4]] for b in range(256)], dtype=torch.float32)
@@ -217,7 +248,7 @@ _E2M1_PAIRS = torch.tensor([[E2M1[b & 0x0F], E2M1[b >> 4]] for b in range(256)],
 _FP8_TABLES: dict[torch.dtype, torch.Tensor] = {}
 
 
-def _fp8_to_float32(t: torch.Tensor) -> torch.Tensor:
+def fp8_to_float32(t: torch.Tensor) -> torch.Tensor:
     """``t.to(torch.float32)`` through a table of the 256 values (torch's own conversion of each byte): torch's
     elementwise FP8 conversion on CPU is about 10x slower (measured 24 ms against 2.4 ms for 1.5M elements)."""
     table = _FP8_TABLES.get(t.dtype)
@@ -228,7 +259,8 @@ def _fp8_to_float32(t: torch.Tensor) -> torch.Tensor:
     return torch.index_select(table, 0, t.reshape(-1).view(torch.uint8).int()).view(t.shape)
 
 
-def _scale_values(scale: torch.Tensor, dtype: str) -> torch.Tensor:
+def scale_values(scale: torch.Tensor, dtype: str) -> torch.Tensor:
+    """FP8 scales (stored as safetensors ``dtype``) as fp32 multipliers."""
     if dtype == "U8":  # ue8m0 exponents stored as bytes
         return torch.exp2(scale.to(torch.float32) - 127)
     return scale.to(torch.float32)
@@ -239,7 +271,8 @@ def _scale_values(scale: torch.Tensor, dtype: str) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class DequantizingRequest(Request):
-    """A :class:`Request` whose box is read from quantized storage and dequantized."""
+    """A :class:`Request` whose box is read from quantized storage: dequantized, or (:class:`RepeatedScale`) a kept
+    FP8 weight's scales repeated."""
 
     stored: Stored | None = None
 
@@ -272,6 +305,7 @@ class CheckpointView:
     tensors: dict[str, TensorInfo]
     stored: dict[str, Stored] = field(default_factory=dict)
     quantization: Quantization | None = None
+    headers: dict[str, TensorInfo] = field(default_factory=dict)  # the checkpoint's own
 
     def sources(self, sources: dict[str, list[Source]], to_ckpt: dict[str, str]) -> dict[str, list[Source]]:
         """``sources`` with those of quantized tensors made :class:`QuantizedSource`."""
@@ -296,6 +330,27 @@ class CheckpointView:
                 out.add(key)
         return out
 
+    def keep_fp8(self, weight: str, expanded: int) -> tuple[str, tuple[int, ...]]:
+        """Read FP8 weight ``weight`` (a checkpoint key) as its stored bytes, and its scales as kept beside it
+        (:class:`RepeatedScale`, repeated along checkpoint dim ``expanded``, one of the last two). Returns the
+        scales' key and the shape they are then read as. Block-scaled FP8 only (the caller checked)."""
+        stored = self.stored.get(weight)
+        if isinstance(stored, Fp8Weight):
+            self.tensors[weight] = dataclasses.replace(self.tensors[weight], dtype=stored.dtype)
+            del self.stored[weight]
+            grid = self.headers[stored.scale_key]
+            block = stored.block[expanded - (len(stored.shape) - 2)]
+            shape = tuple(stored.shape[d] if d == expanded else n for d, n in enumerate(grid.shape))
+            self.stored[stored.scale_key] = RepeatedScale(stored.scale_key, shape, expanded, block)
+            self.tensors[stored.scale_key] = dataclasses.replace(grid, shape=shape)
+            return stored.scale_key, shape
+        scale = f"{weight}_scale_inv"  # kept already (w1 and w3 of one packed tensor): the same expansion only
+        kept = self.stored.get(scale)
+        if not isinstance(kept, RepeatedScale) or kept.dim != expanded:
+            raise CheckpointError(f"{self.headers[weight].file}: {weight} would be kept quantized with its scales "
+                                  f"repeated along two different dims; load without keep_quantized")
+        return scale, kept.shape
+
 
 def checkpoint_view(ckpt: Checkpoint, config: Any) -> CheckpointView:
     """The view of ``ckpt`` for a model of ``config`` (its ``quantization_config``); every check on the headers
@@ -311,7 +366,7 @@ def checkpoint_view(ckpt: Checkpoint, config: Any) -> CheckpointView:
         if scales:
             raise CheckpointError(f"{ckpt.path}: tensors such as {scales[0]} (in {tensors[scales[0]].file.name}) are "
                                   "quantization scales or blocks, but config.json declares no quantization_config")
-        return CheckpointView(tensors)
+        return CheckpointView(tensors, headers=ckpt.tensors)
     stored: dict[str, Stored] = {}
     if quant.method == "fp8":
         for key in [k for k in tensors if k.endswith("_scale_inv")]:
@@ -332,7 +387,7 @@ def checkpoint_view(ckpt: Checkpoint, config: Any) -> CheckpointView:
         lone = [k for k in tensors if k.endswith("_scales") and f"{k.removesuffix('_scales')}" not in stored]
         if lone:
             raise CheckpointError(f"{tensors[lone[0]].file}: {lone[0]} has no {lone[0].removesuffix('_scales')}_blocks")
-    return CheckpointView(tensors, stored, quant)
+    return CheckpointView(tensors, stored, quant, ckpt.tensors)
 
 
 def _fp8(ckpt: Checkpoint, weight: str, scale: str, block: tuple[int, int] | None) -> Fp8Weight:
@@ -357,7 +412,7 @@ def _fp8(ckpt: Checkpoint, weight: str, scale: str, block: tuple[int, int] | Non
             raise CheckpointError(f"{sinfo.file}: {scale} has shape {list(sinfo.shape)}, but {weight} "
                                   f"{list(info.shape)} in blocks of {list(block)} (weight_block_size) needs "
                                   f"{list(want)}")
-    return Fp8Weight(weight, scale, tuple(info.shape), block, sinfo.dtype)
+    return Fp8Weight(weight, scale, tuple(info.shape), block, sinfo.dtype, info.dtype)
 
 
 def _mxfp4(ckpt: Checkpoint, blocks: str, scales: str) -> Mxfp4Weight:

@@ -48,6 +48,7 @@ from transformers.modeling_utils import remove_tied_weights_from_state_dict
 from .checkpoint import INDEX_FILE, SINGLE_FILE, ST_DTYPES
 from .conversions import model_keys, parameter_sources
 from .experts import GroupedExperts
+from .fp8 import SCALE_SUFFIX, kept_scales, scale_sources
 from .sources import Axis, Box, Request, Source
 
 FILENAME_PATTERN = "model{suffix}.safetensors"
@@ -197,6 +198,15 @@ class _Entry:
     shape: tuple[int, ...]
     dtype: torch.dtype | None = None
     pieces: list[_Piece] = field(default_factory=list)
+    # kept FP8 scales: the pieces fill ``filled``, the grid repeated along dim ``one_per_block[0]`` (each row its
+    # block's scale), of which the first row of each ``one_per_block[1]`` is written
+    filled: tuple[int, ...] | None = None
+    one_per_block: tuple[int, int] | None = None
+
+    @property
+    def assembled(self) -> tuple[int, ...]:
+        """The shape the pieces fill."""
+        return self.filled or self.shape
 
 
 def _plan(model: nn.Module) -> tuple[dict[str, _Entry], int]:
@@ -215,7 +225,21 @@ def _plan(model: nn.Module) -> tuple[dict[str, _Entry], int]:
     sources = parameter_sources(model, tensors, shapes)
     experts = {f"{prefix}.{n}" for prefix, m in model.named_modules() if isinstance(m, GroupedExperts)
                for n, _ in m.named_parameters(recurse=False)}
-    entries = {key: _Entry(key, tuple(shape)) for key, shape in ckpt_shapes.items()}
+    scales = {}  # FP8 weights kept quantized: their scales, written beside them as the checkpoint's grid
+    for weight, (scale, layout) in kept_scales(model).items():
+        sources[scale] = []
+        for source, dim, block in scale_sources(sources.get(weight, []), layout):
+            key = to_ckpt[source.key.removesuffix(SCALE_SUFFIX)] + SCALE_SUFFIX
+            grid = list(source.shape)
+            grid[dim] = -(-grid[dim] // block)
+            to_ckpt[source.key] = key
+            scales[key] = _Entry(key, tuple(grid), filled=source.shape, one_per_block=(dim, block))
+            sources[scale].append(source)
+    entries = {}
+    for key, shape in ckpt_shapes.items():
+        entries[key] = _Entry(key, tuple(shape))
+        if key + SCALE_SUFFIX in scales:
+            entries[key + SCALE_SUFFIX] = scales[key + SCALE_SUFFIX]
     for name, srcs in sources.items():
         if name not in tensors:
             continue
@@ -265,18 +289,19 @@ def _check_entry(e: _Entry) -> None:
     if e.dtype not in ST_DTYPES:
         raise SaveError(f"checkpoint tensor {e.key}: dtype {e.dtype} has no safetensors name")
     filled = 0
+    shape = e.assembled
     for p in e.pieces:
         s = p.source
         axes = sorted(d.dim for d in s.dims if isinstance(d, Axis))
-        if tuple(s.shape) != e.shape or axes != list(range(len(e.shape))):
-            raise SaveError(f"checkpoint tensor {e.key} {list(e.shape)}: {p.name} {list(p.tensor.shape)} maps to "
+        if tuple(s.shape) != shape or axes != list(range(len(shape))):
+            raise SaveError(f"checkpoint tensor {e.key} {list(shape)}: {p.name} {list(p.tensor.shape)} maps to "
                             f"{list(s.shape)} along dims {axes}")
-        if any(n > m for n, m in zip(s.expected_extent(tuple(p.tensor.shape)), e.shape, strict=True)):
-            raise SaveError(f"checkpoint tensor {e.key} {list(e.shape)}: {p.name} {list(p.tensor.shape)} overflows it")
+        if any(n > m for n, m in zip(s.expected_extent(tuple(p.tensor.shape)), shape, strict=True)):
+            raise SaveError(f"checkpoint tensor {e.key} {list(shape)}: {p.name} {list(p.tensor.shape)} overflows it")
         filled += math.prod(b - a for a, b in s.region(tuple(p.tensor.shape)))
-    if filled != math.prod(e.shape):
-        raise SaveError(f"checkpoint tensor {e.key} {list(e.shape)}: its parameters fill {filled} of "
-                        f"{math.prod(e.shape)} elements ({', '.join(p.name for p in e.pieces)})")
+    if filled != math.prod(shape):
+        raise SaveError(f"checkpoint tensor {e.key} {list(shape)}: its parameters fill {filled} of "
+                        f"{math.prod(shape)} elements ({', '.join(p.name for p in e.pieces)})")
 
 
 def _is_identity(s: Source) -> bool:
@@ -328,7 +353,7 @@ def _assemble(entry: _Entry, keep: bool) -> tuple[torch.Tensor | None, BaseExcep
     An error in rank 0's own copying is returned, not raised, and the gathers go on, so the ranks stay in step.
     """
     pieces = entry.pieces
-    if len(pieces) == 1 and not pieces[0].expert and _is_identity(pieces[0].source):
+    if len(pieces) == 1 and not pieces[0].expert and _is_identity(pieces[0].source) and not entry.one_per_block:
         try:
             return _gather_box(pieces[0].tensor, tuple((0, n) for n in entry.shape), keep), None
         except Exception as e:
@@ -339,7 +364,7 @@ def _assemble(entry: _Entry, keep: bool) -> tuple[torch.Tensor | None, BaseExcep
     out = None
     if keep:
         try:
-            out = torch.empty(entry.shape, dtype=entry.dtype)
+            out = torch.empty(entry.assembled, dtype=entry.dtype)
         except Exception as e:
             error = e
     for piece in pieces:
@@ -357,7 +382,27 @@ def _assemble(entry: _Entry, keep: bool) -> tuple[torch.Tensor | None, BaseExcep
                     raise
                 error = e
             part = None
+    if entry.one_per_block and out is not None and error is None:
+        try:
+            out = _one_row_per_block(entry, out)
+        except Exception as e:
+            error = e
     return (out if error is None else None), error
+
+
+def _one_row_per_block(entry: _Entry, full: torch.Tensor) -> torch.Tensor:
+    """Kept FP8 scales, gathered with each row holding its block's scale, as the checkpoint's grid: the first row
+    of each block, once every row of the block is found to hold the same scale (a model whose weights came from
+    a checkpoint with other blocks may hold several scales within one block of this format's)."""
+    dim, block = entry.one_per_block
+    raw = full.view(torch.uint8) if full.element_size() == 1 else full  # compared as bytes where torch has no ==
+    firsts = torch.arange(0, raw.shape[dim], block)
+    grid = raw.index_select(dim, firsts)
+    if not torch.equal(grid.repeat_interleave(block, dim).narrow(dim, 0, raw.shape[dim]), raw):
+        raise SaveError(f"checkpoint tensor {entry.key}: the FP8 scales kept for it differ within one of its "
+                        f"{block}-element blocks along dim {dim} (blocks of the checkpoint loaded do not line up "
+                        "with this format's); load without keep_quantized to save a dequantized model")
+    return grid.view(full.dtype)
 
 
 def _place(request: Request, part: torch.Tensor, out: torch.Tensor) -> None:
@@ -414,14 +459,14 @@ def _gather_box(t: torch.Tensor, box: Box, keep: bool) -> torch.Tensor | None:
             mine[dim] = slice(a - offset, b - offset)
             part = local[tuple(mine)]
             if me != dst:
-                dist.send(part.contiguous(), group=group, group_dst=dst)
+                dist.send(_wire(part.contiguous()), group=group, group_dst=dst)
                 continue
         elif target is not None and target.is_contiguous() and local.device.type == "cpu":
-            dist.recv(target, group=group, group_src=r)  # straight into place: no staging copy
+            dist.recv(_wire(target), group=group, group_src=r)  # straight into place: no staging copy
             continue
         else:
             part = torch.empty(_part_shape(box, dim, a, b), dtype=t.dtype, device=local.device)
-            dist.recv(part, group=group, group_src=r)
+            dist.recv(_wire(part), group=group, group_src=r)
         if target is not None:
             try:
                 target.copy_(part)
@@ -457,6 +502,11 @@ def _one_sharded_dim(t: DTensor) -> DTensor:
                                  stride=t.stride())
     _last_reduced[:] = [(t, reduced)]
     return reduced
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as sent: 8-bit floats (kept FP8 weights and scales) as their bytes, which every backend moves."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
 
 
 def _part_shape(box: Box, dim: int, a: int, b: int) -> list[int]:
