@@ -45,14 +45,7 @@ def demo_checkpoint(path: Path | None = None) -> Path:
     path = path or cache_dir() / "demo-mixtral"
     if not (path / "config.json").is_file():
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(MixtralConfig(**DEMO_CONFIG))
-        with torch.no_grad():  # O(1) activations so the comparison is meaningful
-            for name, p in model.named_parameters():
-                if p.dim() >= 2:
-                    p.normal_(0, 1.0 if "embed_tokens" in name else p.shape[-1] ** -0.5)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
-        os.replace(tmp, path)
+        _save_seeded(AutoModelForCausalLM.from_config(MixtralConfig(**DEMO_CONFIG)), path)
     return path
 
 
@@ -63,15 +56,20 @@ def demo_vl_checkpoint(path: Path | None = None) -> Path:
     if not (path / "config.json").is_file():
         torch.manual_seed(0)
         config = Qwen3VLMoeConfig(text_config=VL_TEXT, vision_config=VL_VISION, tie_word_embeddings=False, **VL_TOKENS)
-        model = AutoModelForImageTextToText.from_config(config)
-        with torch.no_grad():  # O(1) activations so the comparison is meaningful
-            for name, p in model.named_parameters():
-                if p.dim() >= 2:
-                    p.normal_(0, 1.0 if "embed_tokens" in name else p.shape[-1] ** -0.5)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
-        os.replace(tmp, path)
+        _save_seeded(AutoModelForImageTextToText.from_config(config), path)
     return path
+
+
+def _save_seeded(model: torch.nn.Module, path: Path) -> None:
+    """Redraw the matrices at unit output scale (O(1) activations, so the comparison is meaningful) and save
+    through a temporary folder, so a half-written checkpoint is never found."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 1.0 if "embed_tokens" in name else p.shape[-1] ** -0.5)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    os.replace(tmp, path)
 
 
 def demo_image(size: int = 32) -> torch.Tensor:
