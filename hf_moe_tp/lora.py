@@ -78,6 +78,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from .linear import ColumnParallel, RowParallel
 from .saving import SaveError
@@ -198,6 +199,7 @@ def check_config(config: Any, model: nn.Module) -> None:
 def _check_target_parameter(target: str, model: nn.Module) -> None:
     """A ``target_parameters`` entry must name only GroupedExperts weights (``w1``, ``w3``, ``w2``) that
     ``TensorParallel`` splits; PEFT matches a parameter whose dotted name ends with the entry."""
+    from .expert_parallel import ExpertParallel
     from .experts import GroupedExperts
     from .styles import TensorParallel
 
@@ -216,16 +218,42 @@ def _check_target_parameter(target: str, model: nn.Module) -> None:
               "transformers' gate_up_proj/down_proj nor on routers. (With transformers 5 PEFT turns "
               "target_modules='all-linear', and gate_proj/up_proj/down_proj/w1/w2/w3/gate on Mixtral-, Qwen3-MoE- "
               "and DeepSeek-like models, into such entries; list the linear layers instead.)")
-    biased = [name for name, module in hits if target.endswith("w2") and module.b2 is not None]
+    styles = {name: getattr(module, "hf_moe_tp_style", None) for name, module in hits}
+    biased = [name for name, module in hits if target.endswith("w2") and module.b2 is not None
+              and type(styles[name]) is TensorParallel]
     if biased:
         raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r}: the experts {biased[0]} have a down "
                                    "bias (b2), added once over the ranks by reading w2's split, which the adapter's "
-                                   "fold hides; LoRA on their w2 is not supported yet (w1/w3 are)")
-    unsplit = [name for name, module in hits if type(getattr(module, "hf_moe_tp_style", None)) is not TensorParallel]
+                                   "fold hides; LoRA on their w2 is not supported under TensorParallel yet (w1/w3 "
+                                   "are; ExpertParallel, whose ranks hold whole experts, takes w2 too)")
+    unsplit = [name for name, style in styles.items() if type(style) not in (TensorParallel, ExpertParallel)]
     if unsplit:
         raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r}: the experts {unsplit[0]} run "
-                                   f"{getattr(model.get_submodule(unsplit[0]), 'hf_moe_tp_style', None)!r}; LoRA "
-                                   "on experts is supported under TensorParallel (not yet ExpertParallel)")
+                                   f"{styles[unsplit[0]]!r}; LoRA on experts is supported under TensorParallel and "
+                                   "ExpertParallel")
+    for name, module in hits:
+        if type(styles[name]) is ExpertParallel:
+            _check_expert_parallel(target, name, module, model)
+
+
+def _check_expert_parallel(target: str, name: str, experts: nn.Module, model: nn.Module) -> None:
+    """Expert adapters under ExpertParallel are split over ``ep`` expert by expert: the experts must split evenly
+    (PEFT's ``r * E`` rows of ``lora_A`` cut as ``torch.chunk`` cuts would otherwise straddle experts), and on an
+    ``(ep, tp)`` mesh the dense layers must be FSDP2-sharded over ``ep`` (otherwise the attention adapters sit on
+    another mesh, and their gradients, each ep rank's batch's, would need the caller's averaging over ``ep``)."""
+    weight = experts.w1
+    mesh = weight.device_mesh
+    ep = (mesh.mesh_dim_names or ()).index("ep") if mesh.ndim == 2 else 0
+    if weight.shape[0] % mesh.size(ep):
+        raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r} under ExpertParallel: the "
+                                   f"{weight.shape[0]} experts of {name} do not divide by the ep size "
+                                   f"{mesh.size(ep)}; LoRA on unevenly split experts is not supported")
+    if mesh.ndim == 2 and not any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r} under ExpertParallel on an (ep, tp) "
+                                   "mesh without FSDP2 over ep: the attention adapters would sit on another mesh "
+                                   "than the experts' (no one clip_grad_norm_) and their gradients, each ep rank's "
+                                   "own batch's, would go unaveraged; load with fsdp_size equal to the ep size, or "
+                                   "with ep_size equal to the TP size")
 
 
 # ---- placing one adapter ----------------------------------------------------------------------------------------
@@ -266,9 +294,18 @@ def shard_adapter(layer: nn.Module, adapter: str, config: Any, name: str = "") -
 def _delta_like_base(layer: nn.Module, adapter: str) -> torch.Tensor:
     """PEFT's ``get_delta_weight`` (``B @ A``, a DTensor placed like the base weight's TP split), laid out as the
     base weight is (FSDP2's data-parallel shards too), so merging adds it in place. (Inside an expert adapter's
-    forward the factors are local tensors, and so is the delta.)"""
-    delta = type(layer).get_delta_weight(layer, adapter)
+    forward the factors are local tensors, and so is the delta.) Experts split by experts: each rank's delta
+    from its local factors, placed as the weight is."""
     weight = layer.get_param() if hasattr(layer, "get_param") else layer.get_base_layer().weight
+    if getattr(layer, "_hf_moe_tp_by_experts", False) and isinstance(layer.lora_A[adapter].weight, DTensor):
+        swapped = _swap_local(layer, DTensor.to_local, weight=False)
+        try:
+            delta = type(layer).get_delta_weight(layer, adapter)
+        finally:
+            _put_back(swapped)
+        return DTensor.from_local(delta, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
+                                  stride=weight.stride())
+    delta = type(layer).get_delta_weight(layer, adapter)
     if not isinstance(delta, DTensor) or not isinstance(weight, DTensor):
         return delta
     if delta.device_mesh != weight.device_mesh:
@@ -286,62 +323,125 @@ EXPERT_WEIGHTS = ("w1", "w3", "w2")
 def _shard_expert_adapter(layer: nn.Module, adapter: str, where: str) -> None:
     """An adapter PEFT's ``ParamWrapper`` puts on a GroupedExperts weight (``target_parameters``): ``lora_A``
     (r*E, in), ``lora_B`` (out, r*E), whole already (PEFT sizes them from the DTensor's whole shape), placed like
-    the weight's TensorParallel split: ``w1``/``w3`` split by hidden columns, so B by rows; ``w2`` split by hidden
-    rows, so A by columns. PEFT folds ``W + B @ A`` per expert into the weight for the experts' forward; here
-    that runs on this rank's shard of the weight and the local factors, and the replicated factor's gradient (a
-    partial sum over the ranks' hidden slices) is summed."""
+    the weight's split. Under TensorParallel: ``w1``/``w3`` split by hidden columns, so B by rows; ``w2`` split by
+    hidden rows, so A by columns; the replicated factor's gradient (a partial sum over the ranks' hidden slices)
+    is summed. Under ExpertParallel: split by experts (:func:`_place_by_experts`). PEFT folds ``W + B @ A`` per
+    expert into the weight for the experts' forward; here that runs on this rank's shard of the weight and the
+    local factors."""
+    from .expert_parallel import ExpertParallel
+
     base = layer.get_base_layer()
     weight = layer.get_param()
     if layer.parameter_name not in EXPERT_WEIGHTS or not isinstance(weight, DTensor):
         raise UnsupportedLoraError(f"LoRA on parameter {layer.parameter_name!r} of {where}: only the experts' "
                                    f"{EXPERT_WEIGHTS} are supported on the tensor-parallel model")
-    split = weight.placements[_tp_dim(weight.device_mesh, where)]
-    placement = _Placement(base.hf_moe_tp_style, where, weight.device_mesh, kind="experts")
-    placement.a, placement.b = (Shard(1), Replicate()) if split == Shard(1) else (Replicate(), Shard(0))
     a, b = layer.lora_A[adapter], layer.lora_B[adapter]
     if a.weight.device.type == "meta":
         raise UnsupportedLoraError("LoRA adapters made on the meta device (low_cpu_mem_usage=True) on the "
                                    "tensor-parallel model: create them with low_cpu_mem_usage=False")
-    _distribute(a, placement, placement.a)
-    _distribute(b, placement, placement.b)
+    if type(base.hf_moe_tp_style) is ExpertParallel:
+        local_of = _place_by_experts(layer, adapter, weight, where)
+    else:
+        split = weight.placements[_tp_dim(weight.device_mesh, where)]
+        placement = _Placement(base.hf_moe_tp_style, where, weight.device_mesh, kind="experts")
+        placement.a, placement.b = (Shard(1), Replicate()) if split == Shard(1) else (Replicate(), Shard(0))
+        _distribute(a, placement, placement.a)
+        _distribute(b, placement, placement.b)
+        to_local = {"replicated": placement.to_local(sum_tp=True), "split": placement.to_local(sum_tp=False)}
+
+        def local_of(p: DTensor) -> torch.Tensor:
+            return to_local["replicated" if p.placements[placement.tp_dim] == Replicate() else "split"](p)
+
     if "_hf_moe_tp_local" not in vars(layer):
         layer._hf_moe_tp_local = True
-        _expert_adapters_local(layer, placement)
+        _expert_adapters_local(layer, local_of)
     if "get_delta_weight" not in vars(layer):
         layer.get_delta_weight = types.MethodType(_delta_like_base, layer)
 
 
-def _expert_adapters_local(layer: nn.Module, placement: _Placement) -> None:
+def _place_by_experts(layer: nn.Module, adapter: str, weight: DTensor, where: str
+                      ) -> Callable[[DTensor], torch.Tensor]:
+    """Under ExpertParallel each rank holds whole experts (``Shard(0)`` over ``ep``), so its adapters are those
+    experts' and nothing else. PEFT lays the experts out as ``lora_A`` rows ``e * r + j`` (expert-major:
+    ``Shard(0)`` splits it by experts when they divide evenly, checked before) and ``lora_B`` columns
+    ``j * E + e`` (rank-major: ``_StridedShard(1, split_factor=r)`` takes this rank's experts' columns of each
+    of the r blocks, in PEFT's local order ``j * E_local + e``). No gradient needs summing over ``ep``: every
+    routed token reaches its expert's rank. On an ``(ep, tp)`` mesh the ``tp`` ranks hold copies and each
+    dispatches a slice of the batch, so the gradients are summed over ``tp``, then divided by the ep size as
+    FSDP2 does the experts' (:func:`hf_moe_tp.fsdp.shard_data_parallel`: that layout is FSDP2's, checked before).
+    Returns the local view the forward computes with."""
+    mesh = weight.device_mesh
+    ep = (mesh.mesh_dim_names or ()).index("ep") if mesh.ndim == 2 else 0
+    by_experts = [Replicate()] * mesh.ndim
+    by_experts[ep] = Shard(0)
+    if list(weight.placements) != by_experts:
+        raise UnsupportedLoraError(f"LoRA on {where} under ExpertParallel: its weight is placed "
+                                   f"{weight.placements}, not split by experts over ep alone ({by_experts})")
+    strided = [Replicate()] * mesh.ndim
+    strided[ep] = _StridedShard(1, split_factor=layer.r[adapter])
+    for module, placements in ((layer.lora_A[adapter], by_experts), (layer.lora_B[adapter], strided)):
+        p = module.weight
+        dt = distribute_tensor(p.detach(), mesh, placements, src_data_rank=0)
+        module.register_parameter("weight", nn.Parameter(dt, requires_grad=p.requires_grad))
+    layer._hf_moe_tp_by_experts = True
+    if mesh.ndim == 1:
+        return DTensor.to_local
+    copies = mesh.get_group(1 - ep) if mesh.size(1 - ep) > 1 else None
+    ep_size = mesh.size(ep)
+
+    def local_of(p: DTensor) -> torch.Tensor:
+        t = p.to_local()
+        if not p.requires_grad:
+            return t
+        if copies is not None:
+            t = _SumGradOverMesh.apply(t, copies)
+        return _MeanGradOver.apply(t, [], ep_size)  # no group: the division alone
+
+    return local_of
+
+
+def _expert_adapters_local(layer: nn.Module, local_of: Callable[[DTensor], torch.Tensor]) -> None:
     """During the ``ParamWrapper``'s forward, its base weight appears as this rank's shard (a frozen local
-    parameter, which PEFT's parametrization then folds the adapter into) and every adapter's factors as local
-    tensors: the replicated one's gradient summed over ``tp``, both averaged over data-parallel dimensions."""
-    base, pname = layer.get_base_layer(), layer.parameter_name
-    to_local = {Replicate(): placement.to_local(sum_tp=True), "split": placement.to_local(sum_tp=False)}
-    saved: list[list[tuple[dict, str, torch.Tensor]]] = []
+    parameter, which PEFT's parametrization then folds the adapter into), every adapter's factors as
+    ``local_of`` them, and its expert count as this rank's."""
+    saved: list[list[tuple[dict, str, Any]]] = []
 
     def use_local(module: nn.Module, args: tuple) -> None:
-        swapped = []
-        weight = base._parameters.get(pname)
-        if isinstance(weight, DTensor):
-            base._parameters[pname] = nn.Parameter(weight.to_local(), requires_grad=False)
-            swapped.append((base._parameters, pname, weight))
-        for factors in (layer.lora_A, layer.lora_B):
-            for factor in factors.values():
-                p = factor._parameters.get("weight")
-                if isinstance(p, DTensor):
-                    tp = p.placements[placement.tp_dim]
-                    factor._parameters["weight"] = to_local[tp if tp == Replicate() else "split"](p)
-                    swapped.append((factor._parameters, "weight", p))
-        saved.append(swapped)
+        saved.append(_swap_local(layer, local_of, weight=True))
 
     def restore(module: nn.Module, args: tuple, out: Any) -> None:
-        if not saved:
-            return
-        for table, name, t in saved.pop():
-            table[name] = t
+        if saved:
+            _put_back(saved.pop())
 
     layer.register_forward_pre_hook(use_local)
     layer.register_forward_hook(restore, always_call=True)
+
+
+def _swap_local(layer: nn.Module, local_of: Callable[[DTensor], torch.Tensor], weight: bool
+                ) -> list[tuple[dict, str, Any]]:
+    """Put the local views in place (the base weight's too with ``weight``); returns what to put back. PEFT
+    reshapes the factors by ``num_experts``: this rank's count (all experts, unless they are split)."""
+    swapped: list[tuple[dict, str, Any]] = []
+    base, pname = layer.get_base_layer(), layer.parameter_name
+    param = base._parameters[pname] if pname in base._parameters else getattr(base, pname)
+    if isinstance(param, DTensor):
+        swapped.append((vars(layer), "num_experts", layer.num_experts))
+        layer.num_experts = param.to_local().shape[0]
+        if weight and pname in base._parameters:
+            base._parameters[pname] = nn.Parameter(param.to_local(), requires_grad=False)
+            swapped.append((base._parameters, pname, param))
+    for factors in (layer.lora_A, layer.lora_B):
+        for factor in factors.values():
+            p = factor._parameters.get("weight")
+            if isinstance(p, DTensor):
+                factor._parameters["weight"] = local_of(p)
+                swapped.append((factor._parameters, "weight", p))
+    return swapped
+
+
+def _put_back(swapped: list[tuple[dict, str, Any]]) -> None:
+    for table, name, value in reversed(swapped):
+        table[name] = value
 
 
 def _tp_dim(mesh: DeviceMesh, where: str) -> int:

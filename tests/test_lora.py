@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from test_training import batches, checkpoints, layout_model, run_steps  # noqa: F401 - checkpoints: a fixture
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from transformers import AutoModelForCausalLM
 
 STEPS = 3
@@ -67,9 +68,13 @@ def placement_report(model, adapter: str = "default") -> dict:
         else:  # a linear weight (out, in)
             base = layer.get_base_layer().weight
             in_dim, out_dim, rank = 1, 0, r
-        tp = base.device_mesh.mesh_dim_names.index("tp") if base.device_mesh.ndim > 1 else 0
+        names = base.device_mesh.mesh_dim_names or ()
+        by_experts = hasattr(layer, "get_param") and "ep" in names  # an (ep, tp) mesh: experts split over ep
+        tp = names.index("ep" if by_experts else "tp") if base.device_mesh.ndim > 1 else 0
         split = base.placements[tp] if base.device_mesh.size(tp) > 1 else Replicate()
-        if split == Shard(in_dim):
+        if split == Shard(0) and hasattr(layer, "get_param"):  # ExpertParallel: by experts, PEFT's layouts
+            want = (Shard(0), _StridedShard(1, split_factor=r))
+        elif split == Shard(in_dim):
             want = (Shard(1), Replicate())
         elif split == Shard(out_dim):
             want = (Replicate(), Shard(0))
@@ -82,8 +87,8 @@ def placement_report(model, adapter: str = "default") -> dict:
         whole_a, whole_b = a.full_tensor(), b.full_tensor()
         sums.append((whole_a.double().sum().item(), whole_b.double().sum().item()))
         ranges.append((whole_a.abs().max().item() * a.shape[1] ** 0.5, whole_b.abs().max().item() * rank ** 0.5))
-    return {"wrong": wrong, "sums": sums, "ranges": ranges, "column_and_row_wise": len(kinds - {(Replicate(),
-                                                                                                  Replicate())}) == 2}
+    return {"wrong": wrong, "sums": sums, "ranges": ranges, "kinds": kinds,
+            "column_and_row_wise": {(Replicate(), Shard(0)), (Shard(1), Replicate())} <= kinds}
 
 
 def one_rank_model(path: str):
@@ -146,16 +151,23 @@ def _lora_training(path: str, layout: dict, lora: dict, steps: int = STEPS, out:
         ref_loss.append(step_loss.item())
     want = whole(get_peft_model_state_dict(ref))
     got = whole(get_peft_model_state_dict(model))
-    reloaded = None
+    reloaded = merged = None
+    layers = len(lora_layers(model))
     if out is not None:
         model.eval().save_pretrained(out)
         fresh = one_rank_model(path) if experts else AutoModelForCausalLM.from_pretrained(path)
-        with torch.no_grad():
-            ids = data[0]
-            reloaded = (PeftModel.from_pretrained(fresh, out).eval()(ids).logits - model(ids).logits).abs().max().item()
-    return {"reloaded": reloaded, "loss": loss, "ref_loss": ref_loss, "norm": norm, "ref_norm": ref_norm,
+        loaded = PeftModel.from_pretrained(fresh, out).eval()
+        with torch.no_grad():  # a batch, and one row (EP's inference dispatch: its few-pairs path too)
+            logits = [model(ids).logits for ids in (data[0], data[0][:1])]
+            reloaded = max((loaded(ids).logits - x).abs().max().item() for ids, x in zip((data[0], data[0][:1]),
+                                                                                        logits, strict=True))
+            unloaded = model.merge_and_unload()
+            merged = max((unloaded(ids).logits - x).abs().max().item() for ids, x in zip((data[0], data[0][:1]),
+                                                                                        logits, strict=True))
+    return {"reloaded": reloaded, "merged": merged, "loss": loss, "ref_loss": ref_loss, "norm": norm,
+            "ref_norm": ref_norm,
             "weights": max((got[k] - want[k]).abs().max().item() for k in want), "same_keys": set(got) == set(want),
-            "layers": len(lora_layers(model)), "meshes": len({p.device_mesh for p in trainable}),
+            "layers": layers, "meshes": len({p.device_mesh for p in trainable}),
             "all_dtensor": all(isinstance(p, DTensor) for p in trainable),
             "ranks_agree": all(s == sums[0] for s in sums),
             **report}
@@ -182,7 +194,12 @@ def test_lora_trains_as_one_process(ranks, checkpoints, case):  # noqa: F811 - t
 
 EXPERTS = dict(target_modules=["q_proj", "o_proj"], target_parameters=["mlp.experts.w1", "mlp.experts.w3",
                                                                          "mlp.experts.w2"], init_lora_weights=False)
-EXPERT_LAYOUTS = {"tp2": (2, {}), "tp4": (4, {}), "dp2_tp2": (4, dict(fsdp_size=2))}
+EXPERT_LAYOUTS = {"tp2": (2, {}), "tp4": (4, {}), "dp2_tp2": (4, dict(fsdp_size=2)),
+                  # whole experts per rank, attention split over the same ranks
+                  "ep2": (2, dict(ep_size=2)),
+                  "ep2_all_reduce": (2, dict(ep_size=2, ep_dispatch="all_reduce")),  # no token moves, with gradients
+                  # experts over ep, attention over tp, a batch per ep coordinate, FSDP2 of the dense layers over ep
+                  "ep2_tp2_fsdp": (4, dict(mesh=(("ep", 2), ("tp", 2)), fsdp_size=2))}
 
 
 @pytest.mark.parametrize("layout", sorted(EXPERT_LAYOUTS))
@@ -200,6 +217,7 @@ def test_lora_on_routed_experts(ranks, checkpoints, tmp_path, layout):  # noqa: 
         loss = max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"], strict=True))
         norm = max(abs(a - b) for a, b in zip(r["norm"], r["ref_norm"], strict=True))
         assert loss <= TOL and norm <= TOL and r["weights"] <= TOL and r["reloaded"] <= TOL, (loss, norm, r)
+        assert r["merged"] <= TOL, r
 
 
 def _save_merge(path: str, layout: dict, out: str) -> dict:
