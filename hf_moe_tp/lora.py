@@ -243,7 +243,14 @@ def _check_expert_parallel(target: str, name: str, experts: nn.Module, model: nn
     another mesh, and their gradients, each ep rank's batch's, would need the caller's averaging over ``ep``)."""
     weight = experts.w1
     mesh = weight.device_mesh
-    ep = (mesh.mesh_dim_names or ()).index("ep") if mesh.ndim == 2 else 0
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim > 1 and (mesh.ndim != 2 or "ep" not in names):
+        raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r} under ExpertParallel on the mesh "
+                                   f"{names} of {name} (FSDP2 over data-parallel ranks that do not split the "
+                                   "experts): not supported; LoRA on experts under ExpertParallel is supported with "
+                                   "ep_size equal to the TP size without data parallelism, and on an (ep, tp) mesh "
+                                   "with FSDP2 over ep (fsdp_size equal to the ep size)")
+    ep = names.index("ep") if mesh.ndim == 2 else 0
     if weight.shape[0] % mesh.size(ep):
         raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r} under ExpertParallel: the "
                                    f"{weight.shape[0]} experts of {name} do not divide by the ep size "

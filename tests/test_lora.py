@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from families import configs, save_model
 from test_training import batches, checkpoints, layout_model, run_steps  # noqa: F401 - checkpoints: a fixture
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -290,7 +291,6 @@ REFUSED = {  # LoraConfig, the layout, what the message names
     "all-linear": (dict(target_modules="all-linear"), {}, "target_parameters entry 'down_proj'"),
     "transformers' expert names": (dict(target_parameters=["mlp.experts.gate_up_proj"]), {}, "names no parameter"),
     "router": (dict(target_parameters=["mlp.gate.weight"]), {}, "names parameters of"),
-    "expert parallel": (dict(target_parameters=["mlp.experts.w1"]), dict(ep_size=2), "not yet ExpertParallel"),
     "pissa": (dict(target_modules=ATTENTION, init_lora_weights="pissa"), {}, "init_lora_weights='pissa'"),
     "dora": (dict(target_modules=ATTENTION, use_dora=True), {}, "use_dora=True"),
     "embedding": (dict(target_modules=["embed_tokens"]), {}, "only linear layers"),
@@ -313,6 +313,30 @@ def _refused(path: str, lora: dict, layout: dict) -> str | None:
     return None
 
 
+EP_REFUSED = {  # world size, checkpoint, layout, what the message names
+    # (ep, tp) without FSDP2 over ep: the attention adapters on the tp mesh, their gradients each ep batch's
+    "ep2_tp2 without FSDP2": (4, "mixtral", dict(ep_size=2), "without FSDP2 over ep"),
+    # FSDP2 over dp_shard with the experts over the TP ranks
+    "dp2_ep2": (4, "mixtral", dict(fsdp_size=2, ep_size=2), "FSDP2 over data-parallel ranks"),
+    # 5 experts over 2 ranks (3 + 2): PEFT's r * 5 rows of lora_A would split mid-expert
+    "uneven experts": (2, "mixtral-5", dict(ep_size=2), "5 experts of model.layers.0.mlp.experts do not divide"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EP_REFUSED))
+def test_lora_expert_parallel_refusals(ranks, checkpoints, tmp_path, case):  # noqa: F811 - the fixture
+    """LoRA on experts under ExpertParallel layouts it does not place is refused by name on every rank."""
+    world, family, layout, named = EP_REFUSED[case]
+    if family == "mixtral-5":
+        config = configs()["mixtral"]
+        config.num_local_experts = 5
+        path = str(save_model(config, tmp_path / family))
+    else:
+        path = checkpoints(family)
+    for message in ranks(world).run(_refused, path, dict(target_parameters=["mlp.experts.w1"]), layout):
+        assert message is not None and named in message, (case, message)
+
+
 def _other_method_refused(path: str) -> str | None:
     from peft import LoHaConfig, get_peft_model
 
@@ -327,8 +351,8 @@ def _other_method_refused(path: str) -> str | None:
 
 def test_lora_refusals(ranks, checkpoints):  # noqa: F811 - the fixture
     """What is not placed on the TP model is refused by name on every rank: target_parameters other than our
-    experts' w1/w3/w2 under TensorParallel (transformers' names, which PEFT makes of 'all-linear' on Mixtral;
-    routers; ExpertParallel), base-weight initialisations, LoRA variants, embeddings, other PEFT methods."""
+    experts' w1/w3/w2 (transformers' names, which PEFT makes of 'all-linear' on Mixtral; routers), base-weight
+    initialisations, LoRA variants, embeddings, other PEFT methods."""
     path = checkpoints("mixtral")
     for case, (lora, layout, named) in REFUSED.items():
         for message in ranks(2).run(_refused, path, lora, layout):
