@@ -30,7 +30,11 @@ weight's mesh:
 - the routed experts' weights through ``target_parameters`` (PEFT's ``ParamWrapper``), named as ours:
   ``w1``/``w3`` (E, dim, hidden), split by hidden columns, so ``lora_B`` by rows; ``w2`` (E, hidden, dim), split
   by hidden rows, so ``lora_A`` by columns; PEFT folds ``W + B @ A`` per expert into the weight for the experts'
-  forward, here on this rank's shard with the local factors; the replicated factor's gradient is summed.
+  forward, here on this rank's shard with the local factors; the replicated factor's gradient is summed;
+- the same under ``ExpertParallel`` (whole experts per rank): both factors split by experts over ``ep``, as PEFT
+  lays them out (``lora_A`` rows expert-major: ``Shard(0)``; ``lora_B`` columns rank-major:
+  ``_StridedShard(1, split_factor=r)``), so a rank holds and folds only its experts' adapters; no communication
+  (on an ``(ep, tp)`` mesh, FSDP2 over ``ep``: gradients summed over ``tp``, divided by the ep size).
 
 Why so: each split factor follows its base weight's split, so a rank holds and multiplies only its share; the
 replicated factor of a split layer is the one that reads the replicated side (the whole input of a column-wise
@@ -50,9 +54,11 @@ once, from rank 0 (moved into place when complete); ``PeftModel.from_pretrained`
 
 Refused by name, on every rank: PEFT methods other than LoRA, LoRA variants (DoRA, ...), initialisations that
 read the base weights (PiSSA, OLoRA, LoftQ, EVA, ...), adapters made on the meta device, LoRA on embeddings,
-``target_parameters`` other than GroupedExperts' ``w1``/``w3``/``w2`` under ``TensorParallel`` (transformers'
-``gate_up_proj``/``down_proj``, which PEFT makes of ``target_modules="all-linear"`` on several MoE families;
-routers; ``ExpertParallel``; ``w2`` of experts with a down bias), ``modules_to_save`` with FSDP2,
+``target_parameters`` other than GroupedExperts' ``w1``/``w3``/``w2`` (transformers' ``gate_up_proj``/
+``down_proj``, which PEFT makes of ``target_modules="all-linear"`` on several MoE families; routers; ``w2`` of
+experts with a down bias under ``TensorParallel``; under ``ExpertParallel``: an ``(ep, tp)`` mesh without FSDP2
+over ``ep``, FSDP2 over ranks that do not split the experts, experts that do not divide by the ep size),
+``modules_to_save`` with FSDP2,
 ``trainable_token_indices``, and base layers whose style this module does not place."""
 
 from __future__ import annotations
@@ -198,7 +204,8 @@ def check_config(config: Any, model: nn.Module) -> None:
 
 def _check_target_parameter(target: str, model: nn.Module) -> None:
     """A ``target_parameters`` entry must name only GroupedExperts weights (``w1``, ``w3``, ``w2``) that
-    ``TensorParallel`` splits; PEFT matches a parameter whose dotted name ends with the entry."""
+    ``TensorParallel`` or ``ExpertParallel`` splits; PEFT matches a parameter whose dotted name ends with the
+    entry."""
     from .expert_parallel import ExpertParallel
     from .experts import GroupedExperts
     from .styles import TensorParallel
