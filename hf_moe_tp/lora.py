@@ -34,7 +34,8 @@ weight's mesh:
 - the same under ``ExpertParallel`` (whole experts per rank): both factors split by experts over ``ep``, as PEFT
   lays them out (``lora_A`` rows expert-major: ``Shard(0)``; ``lora_B`` columns rank-major:
   ``_StridedShard(1, split_factor=r)``), so a rank holds and folds only its experts' adapters; no communication
-  (on an ``(ep, tp)`` mesh, FSDP2 over ``ep``: gradients summed over ``tp``, divided by the ep size).
+  (on an ``(ep, tp)`` mesh, FSDP2 over ``ep``: gradients summed over ``tp``, divided by the ep size; over
+  FSDP2's replicas with experts over the TP ranks: averaged).
 
 Why so: each split factor follows its base weight's split, so a rank holds and multiplies only its share; the
 replicated factor of a split layer is the one that reads the replicated side (the whole input of a column-wise
@@ -57,7 +58,7 @@ read the base weights (PiSSA, OLoRA, LoftQ, EVA, ...), adapters made on the meta
 ``target_parameters`` other than GroupedExperts' ``w1``/``w3``/``w2`` (transformers' ``gate_up_proj``/
 ``down_proj``, which PEFT makes of ``target_modules="all-linear"`` on several MoE families; routers; ``w2`` of
 experts with a down bias under ``TensorParallel``; under ``ExpertParallel``: an ``(ep, tp)`` mesh without FSDP2
-over ``ep``, FSDP2 over ranks that do not split the experts, experts that do not divide by the ep size),
+over ``ep``, HSDP, experts that do not divide by the ep size),
 ``modules_to_save`` with FSDP2,
 ``trainable_token_indices``, and base layers whose style this module does not place."""
 
@@ -247,27 +248,34 @@ def _check_expert_parallel(target: str, name: str, experts: nn.Module, model: nn
     """Expert adapters under ExpertParallel are split over ``ep`` expert by expert: the experts must split evenly
     (PEFT's ``r * E`` rows of ``lora_A`` cut as ``torch.chunk`` cuts would otherwise straddle experts), and on an
     ``(ep, tp)`` mesh the dense layers must be FSDP2-sharded over ``ep`` (otherwise the attention adapters sit on
-    another mesh, and their gradients, each ep rank's batch's, would need the caller's averaging over ``ep``)."""
+    another mesh, and their gradients, each ep rank's batch's, would need the caller's averaging over ``ep``).
+    HSDP (two data-parallel dimensions beside the experts') is not placed (untested: it needs 8 ranks)."""
     weight = experts.w1
     mesh = weight.device_mesh
     names = mesh.mesh_dim_names or ()
-    if mesh.ndim > 1 and (mesh.ndim != 2 or "ep" not in names):
+    if mesh.ndim > 2:
         raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r} under ExpertParallel on the mesh "
-                                   f"{names} of {name} (FSDP2 over data-parallel ranks that do not split the "
-                                   "experts): not supported; LoRA on experts under ExpertParallel is supported with "
-                                   "ep_size equal to the TP size without data parallelism, and on an (ep, tp) mesh "
-                                   "with FSDP2 over ep (fsdp_size equal to the ep size)")
-    ep = names.index("ep") if mesh.ndim == 2 else 0
+                                   f"{names} of {name} (HSDP): not supported; LoRA on experts under ExpertParallel "
+                                   "is supported with ep_size equal to the TP size (with or without FSDP2), and on "
+                                   "an (ep, tp) mesh with FSDP2 over ep (fsdp_size equal to the ep size)")
+    ep = _ep_dim(mesh, name)
     if weight.shape[0] % mesh.size(ep):
         raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r} under ExpertParallel: the "
                                    f"{weight.shape[0]} experts of {name} do not divide by the ep size "
                                    f"{mesh.size(ep)}; LoRA on unevenly split experts is not supported")
-    if mesh.ndim == 2 and not any(isinstance(m, FSDPModule) for m in model.modules()):
+    if "ep" in names and not any(isinstance(m, FSDPModule) for m in model.modules()):
         raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r} under ExpertParallel on an (ep, tp) "
                                    "mesh without FSDP2 over ep: the attention adapters would sit on another mesh "
                                    "than the experts' (no one clip_grad_norm_) and their gradients, each ep rank's "
                                    "own batch's, would go unaveraged; load with fsdp_size equal to the ep size, or "
                                    "with ep_size equal to the TP size")
+
+
+def _ep_dim(mesh: DeviceMesh, where: str) -> int:
+    """The mesh dimension ExpertParallel splits the experts over: ``"ep"`` of an ``(ep, tp)`` mesh, else the TP
+    dimension (the experts over the ranks that split attention)."""
+    names = mesh.mesh_dim_names or ()
+    return names.index("ep") if "ep" in names else _tp_dim(mesh, where)
 
 
 # ---- placing one adapter ----------------------------------------------------------------------------------------
@@ -317,8 +325,11 @@ def _delta_like_base(layer: nn.Module, adapter: str) -> torch.Tensor:
             delta = type(layer).get_delta_weight(layer, adapter)
         finally:
             _put_back(swapped)
-        return DTensor.from_local(delta, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
-                                  stride=weight.stride())
+        delta = DTensor.from_local(delta, weight.device_mesh, layer._hf_moe_tp_by_experts, run_check=False,
+                                   shape=weight.shape, stride=weight.stride())
+        if tuple(delta.placements) != tuple(weight.placements):  # FSDP2's shards of this rank's experts
+            delta = delta.redistribute(weight.device_mesh, weight.placements)
+        return delta
     delta = type(layer).get_delta_weight(layer, adapter)
     if not isinstance(delta, DTensor) or not isinstance(weight, DTensor):
         return delta
@@ -380,28 +391,38 @@ def _place_by_experts(layer: nn.Module, adapter: str, weight: DTensor, where: st
     ``Shard(0)`` splits it by experts when they divide evenly, checked before) and ``lora_B`` columns
     ``j * E + e`` (rank-major: ``_StridedShard(1, split_factor=r)`` takes this rank's experts' columns of each
     of the r blocks, in PEFT's local order ``j * E_local + e``). No gradient needs summing over ``ep``: every
-    routed token reaches its expert's rank. On an ``(ep, tp)`` mesh the ``tp`` ranks hold copies and each
-    dispatches a slice of the batch, so the gradients are summed over ``tp``, then divided by the ep size as
-    FSDP2 does the experts' (:func:`hf_moe_tp.fsdp.shard_data_parallel`: that layout is FSDP2's, checked before).
+    routed token reaches its expert's rank. Over the other dimension, replicated:
+
+    - ``tp`` of an ``(ep, tp)`` mesh (FSDP2 over ``ep``, checked before): its ranks hold copies and each
+      dispatches a slice of the batch, so the gradients are summed over ``tp``, then divided by the ep size as
+      FSDP2 divides the experts' (:func:`hf_moe_tp.fsdp.shard_data_parallel`);
+    - a data-parallel dimension (FSDP2, experts over the TP ranks): each replica its own batch, so the gradients
+      are averaged over it, as FSDP2 averages the experts'.
+
     Returns the local view the forward computes with."""
     mesh = weight.device_mesh
-    ep = (mesh.mesh_dim_names or ()).index("ep") if mesh.ndim == 2 else 0
+    ep = _ep_dim(mesh, where)
+    others = [d for d in range(mesh.ndim) if d != ep]
+    named_ep = "ep" in (mesh.mesh_dim_names or ())
+    if weight.placements[ep] != Shard(0) or (named_ep and any(weight.placements[d] != Replicate() for d in others)):
+        raise UnsupportedLoraError(f"LoRA on {where} under ExpertParallel: its weight is placed "
+                                   f"{weight.placements}, not split by experts over dimension {ep} alone")
     by_experts = [Replicate()] * mesh.ndim
     by_experts[ep] = Shard(0)
-    if list(weight.placements) != by_experts:
-        raise UnsupportedLoraError(f"LoRA on {where} under ExpertParallel: its weight is placed "
-                                   f"{weight.placements}, not split by experts over ep alone ({by_experts})")
     strided = [Replicate()] * mesh.ndim
     strided[ep] = _StridedShard(1, split_factor=layer.r[adapter])
     for module, placements in ((layer.lora_A[adapter], by_experts), (layer.lora_B[adapter], strided)):
         p = module.weight
         dt = distribute_tensor(p.detach(), mesh, placements, src_data_rank=0)
         module.register_parameter("weight", nn.Parameter(dt, requires_grad=p.requires_grad))
-    layer._hf_moe_tp_by_experts = True
-    if mesh.ndim == 1:
+    layer._hf_moe_tp_by_experts = by_experts
+    others = [d for d in others if mesh.size(d) > 1]
+    if not others:
         return DTensor.to_local
-    copies = mesh.get_group(1 - ep) if mesh.size(1 - ep) > 1 else None
-    ep_size = mesh.size(ep)
+    if named_ep:
+        copies, mean_over, size = mesh.get_group(others[0]), [], mesh.size(ep)  # no group: the division alone
+    else:
+        copies, mean_over, size = None, [mesh.get_group(d) for d in others], math.prod(mesh.size(d) for d in others)
 
     def local_of(p: DTensor) -> torch.Tensor:
         t = p.to_local()
@@ -409,7 +430,7 @@ def _place_by_experts(layer: nn.Module, adapter: str, weight: DTensor, where: st
             return t
         if copies is not None:
             t = _SumGradOverMesh.apply(t, copies)
-        return _MeanGradOver.apply(t, [], ep_size)  # no group: the division alone
+        return _MeanGradOver.apply(t, mean_over, size)
 
     return local_of
 
@@ -434,16 +455,18 @@ def _expert_adapters_local(layer: nn.Module, local_of: Callable[[DTensor], torch
 def _swap_local(layer: nn.Module, local_of: Callable[[DTensor], torch.Tensor], weight: bool
                 ) -> list[tuple[dict, str, Any]]:
     """Put the local views in place (the base weight's too with ``weight``); returns what to put back. PEFT
-    reshapes the factors by ``num_experts``: this rank's count (all experts, unless they are split)."""
+    reshapes the factors by ``num_experts``: this rank's count, read from its rows of ``lora_A`` (r per expert;
+    all experts unless they are split; a weight FSDP2 has resharded holds fewer)."""
     swapped: list[tuple[dict, str, Any]] = []
     base, pname = layer.get_base_layer(), layer.parameter_name
-    param = base._parameters[pname] if pname in base._parameters else getattr(base, pname)
-    if isinstance(param, DTensor):
+    param = base._parameters.get(pname)
+    if weight and isinstance(param, DTensor):
+        base._parameters[pname] = nn.Parameter(param.to_local(), requires_grad=False)
+        swapped.append((base._parameters, pname, param))
+    adapter, a = next(iter(layer.lora_A.items()), (None, None))
+    if a is not None and isinstance(a.weight, DTensor):
         swapped.append((vars(layer), "num_experts", layer.num_experts))
-        layer.num_experts = param.to_local().shape[0]
-        if weight and pname in base._parameters:
-            base._parameters[pname] = nn.Parameter(param.to_local(), requires_grad=False)
-            swapped.append((base._parameters, pname, param))
+        layer.num_experts = a.weight.to_local().shape[0] // layer.r[adapter]
     for factors in (layer.lora_A, layer.lora_B):
         for factor in factors.values():
             p = factor._parameters.get("weight")

@@ -199,6 +199,8 @@ EXPERT_LAYOUTS = {"tp2": (2, {}), "tp4": (4, {}), "dp2_tp2": (4, dict(fsdp_size=
                   # whole experts per rank, attention split over the same ranks
                   "ep2": (2, dict(ep_size=2)),
                   "ep2_all_reduce": (2, dict(ep_size=2, ep_dispatch="all_reduce")),  # no token moves, with gradients
+                  # FSDP2 over dp_shard, experts whole per rank over the TP ranks of each replica
+                  "dp2_ep2": (4, dict(fsdp_size=2, ep_size=2)),
                   # experts over ep, attention over tp, a batch per ep coordinate, FSDP2 of the dense layers over ep
                   "ep2_tp2_fsdp": (4, dict(mesh=(("ep", 2), ("tp", 2)), fsdp_size=2))}
 
@@ -316,8 +318,6 @@ def _refused(path: str, lora: dict, layout: dict) -> str | None:
 EP_REFUSED = {  # world size, checkpoint, layout, what the message names
     # (ep, tp) without FSDP2 over ep: the attention adapters on the tp mesh, their gradients each ep batch's
     "ep2_tp2 without FSDP2": (4, "mixtral", dict(ep_size=2), "without FSDP2 over ep"),
-    # FSDP2 over dp_shard with the experts over the TP ranks
-    "dp2_ep2": (4, "mixtral", dict(fsdp_size=2, ep_size=2), "FSDP2 over data-parallel ranks"),
     # 5 experts over 2 ranks (3 + 2): PEFT's r * 5 rows of lora_A would split mid-expert
     "uneven experts": (2, "mixtral-5", dict(ep_size=2), "5 experts of model.layers.0.mlp.experts do not divide"),
 }
