@@ -316,20 +316,11 @@ def shard_adapter(layer: nn.Module, adapter: str, config: Any, name: str = "") -
 def _delta_like_base(layer: nn.Module, adapter: str) -> torch.Tensor:
     """PEFT's ``get_delta_weight`` (``B @ A``, a DTensor placed like the base weight's TP split), laid out as the
     base weight is (FSDP2's data-parallel shards too), so merging adds it in place. (Inside an expert adapter's
-    forward the factors are local tensors, and so is the delta.) Experts split by experts: each rank's delta
-    from its local factors, placed as the weight is."""
+    forward the factors are local tensors, and so is the delta.) Experts split by experts:
+    :func:`_delta_by_experts`."""
     weight = layer.get_param() if hasattr(layer, "get_param") else layer.get_base_layer().weight
-    if getattr(layer, "_hf_moe_tp_by_experts", False) and isinstance(layer.lora_A[adapter].weight, DTensor):
-        swapped = _swap_local(layer, DTensor.to_local, weight=False)
-        try:
-            delta = type(layer).get_delta_weight(layer, adapter)
-        finally:
-            _put_back(swapped)
-        delta = DTensor.from_local(delta, weight.device_mesh, layer._hf_moe_tp_by_experts, run_check=False,
-                                   shape=weight.shape, stride=weight.stride())
-        if tuple(delta.placements) != tuple(weight.placements):  # FSDP2's shards of this rank's experts
-            delta = delta.redistribute(weight.device_mesh, weight.placements)
-        return delta
+    if getattr(layer, "_hf_moe_tp_by_experts", None) is not None:
+        return _delta_by_experts(layer, adapter, weight)
     delta = type(layer).get_delta_weight(layer, adapter)
     if not isinstance(delta, DTensor) or not isinstance(weight, DTensor):
         return delta
@@ -339,6 +330,25 @@ def _delta_like_base(layer: nn.Module, adapter: str) -> torch.Tensor:
                                    "which reshards first")
     if tuple(delta.placements) != tuple(weight.placements):
         delta = delta.redistribute(weight.device_mesh, weight.placements)
+    return delta
+
+
+def _delta_by_experts(layer: nn.Module, adapter: str, weight: DTensor) -> torch.Tensor:
+    """This rank's experts' ``B @ A`` (E_local, in, out) from PEFT's per-expert factors (``get_delta_factors``:
+    PEFT's own ``get_delta_weight`` takes an expert count of 1, one expert per rank, for a 2-D weight); outside
+    the forward, from the local factors, as a DTensor placed as the weight is."""
+    dtensor = isinstance(layer.lora_A[adapter].weight, DTensor)
+    swapped = _swap_local(layer, DTensor.to_local, weight=False) if dtensor else []
+    try:
+        lhs, rhs, scaling = type(layer).get_delta_factors(layer, adapter)
+        delta = torch.bmm(lhs, rhs) * scaling
+    finally:
+        _put_back(swapped)
+    if dtensor:
+        delta = DTensor.from_local(delta, weight.device_mesh, layer._hf_moe_tp_by_experts, run_check=False,
+                                   shape=weight.shape, stride=weight.stride())
+        if tuple(delta.placements) != tuple(weight.placements):  # FSDP2's shards of this rank's experts
+            delta = delta.redistribute(weight.device_mesh, weight.placements)
     return delta
 
 
@@ -416,12 +426,13 @@ def _place_by_experts(layer: nn.Module, adapter: str, weight: DTensor, where: st
         dt = distribute_tensor(p.detach(), mesh, placements, src_data_rank=0)
         module.register_parameter("weight", nn.Parameter(dt, requires_grad=p.requires_grad))
     layer._hf_moe_tp_by_experts = by_experts
-    others = [d for d in others if mesh.size(d) > 1]
-    if not others:
-        return DTensor.to_local
-    if named_ep:
-        copies, mean_over, size = mesh.get_group(others[0]), [], mesh.size(ep)  # no group: the division alone
+    if named_ep:  # the division alone (no group to average over), also when tp is of size 1
+        copies = mesh.get_group(others[0]) if mesh.size(others[0]) > 1 else None
+        mean_over, size = [], mesh.size(ep)
     else:
+        others = [d for d in others if mesh.size(d) > 1]
+        if not others:
+            return DTensor.to_local
         copies, mean_over, size = None, [mesh.get_group(d) for d in others], math.prod(mesh.size(d) for d in others)
 
     def local_of(p: DTensor) -> torch.Tensor:

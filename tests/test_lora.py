@@ -202,19 +202,24 @@ EXPERT_LAYOUTS = {"tp2": (2, {}), "tp4": (4, {}), "dp2_tp2": (4, dict(fsdp_size=
                   # FSDP2 over dp_shard, experts whole per rank over the TP ranks of each replica
                   "dp2_ep2": (4, dict(fsdp_size=2, ep_size=2)),
                   # experts over ep, attention over tp, a batch per ep coordinate, FSDP2 of the dense layers over ep
-                  "ep2_tp2_fsdp": (4, dict(mesh=(("ep", 2), ("tp", 2)), fsdp_size=2))}
+                  "ep2_tp2_fsdp": (4, dict(mesh=(("ep", 2), ("tp", 2)), fsdp_size=2)),
+                  # TP size 1: experts over the data-parallel ranks, one each
+                  "ep4_fsdp4": (4, dict(fsdp_size=4, ep_size=4))}
 
 
 @pytest.mark.parametrize("layout", sorted(EXPERT_LAYOUTS))
 def test_lora_on_routed_experts(ranks, checkpoints, tmp_path, layout):  # noqa: F811 - the fixture
     """PEFT's target_parameters on GroupedExperts' w1/w3/w2 (TensorParallel: A or B split with the weight's
-    hidden dim) beside attention adapters: per-step loss and norm within 1e-5 of hf_moe_tp's model at TP size 1
-    in one process, the trained adapters equal to its; saved through PEFT on every rank, loaded into that
-    one-process model with the TP model's logits."""
+    hidden dim; ExpertParallel: both split by experts, as PEFT lays them out) beside attention adapters: per-step
+    loss and norm within 1e-5 of hf_moe_tp's model at TP size 1 in one process, the trained adapters equal to
+    its; saved through PEFT on every rank, loaded into that one-process model with the parallel model's logits;
+    merge_and_unload gives them too (EP: merged into each rank's experts, FSDP2's shards of them)."""
     world, kwargs = EXPERT_LAYOUTS[layout]
     results = ranks(world).run(_lora_training, checkpoints("mixtral"), kwargs, EXPERTS, STEPS, str(tmp_path / "a"))
+    by_experts = (Shard(0), _StridedShard(1, split_factor=4)) if "ep" in layout else None  # ExpertParallel
     for r in results:
-        assert r["layers"] == 10 and r["same_keys"] and r["column_and_row_wise"], r
+        assert r["layers"] == 10 and r["same_keys"] and (r["column_and_row_wise"] or layout == "ep4_fsdp4"), r
+        assert (by_experts in r["kinds"]) == (by_experts is not None), r["kinds"]
         assert r["all_dtensor"] and r["meshes"] == 1 and not r["wrong"] and r["ranks_agree"], r
         assert all(0.5 < a <= 1.0 and b <= 1.0 for a, b in r["ranges"]), r["ranges"]
         loss = max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"], strict=True))
