@@ -58,7 +58,7 @@ read the base weights (PiSSA, OLoRA, LoftQ, EVA, ...), adapters made on the meta
 ``target_parameters`` other than GroupedExperts' ``w1``/``w3``/``w2`` (transformers' ``gate_up_proj``/
 ``down_proj``, which PEFT makes of ``target_modules="all-linear"`` on several MoE families; routers; ``w2`` of
 experts with a down bias under ``TensorParallel``; under ``ExpertParallel``: an ``(ep, tp)`` mesh without FSDP2
-over ``ep``, HSDP, experts that do not divide by the ep size),
+over ``ep``, ranks holding their own batches without FSDP2, HSDP, experts that do not divide by the ep size),
 ``modules_to_save`` with FSDP2,
 ``trainable_token_indices``, and base layers whose style this module does not place."""
 
@@ -248,8 +248,9 @@ def _check_expert_parallel(target: str, name: str, experts: nn.Module, model: nn
     """Expert adapters under ExpertParallel are split over ``ep`` expert by expert: the experts must split evenly
     (PEFT's ``r * E`` rows of ``lora_A`` cut as ``torch.chunk`` cuts would otherwise straddle experts), and on an
     ``(ep, tp)`` mesh the dense layers must be FSDP2-sharded over ``ep`` (otherwise the attention adapters sit on
-    another mesh, and their gradients, each ep rank's batch's, would need the caller's averaging over ``ep``).
-    HSDP (two data-parallel dimensions beside the experts') is not placed (untested: it needs 8 ranks)."""
+    another mesh, and their gradients, each ep rank's batch's, would need the caller's averaging over ``ep``);
+    for the same reason a 1-D mesh's ranks must share the batch (``input_layout=Replicate()``). HSDP (two
+    data-parallel dimensions beside the experts') is not placed (untested: it needs 8 ranks)."""
     weight = experts.w1
     mesh = weight.device_mesh
     names = mesh.mesh_dim_names or ()
@@ -258,6 +259,12 @@ def _check_expert_parallel(target: str, name: str, experts: nn.Module, model: nn
                                    f"{names} of {name} (HSDP): not supported; LoRA on experts under ExpertParallel "
                                    "is supported with ep_size equal to the TP size (with or without FSDP2), and on "
                                    "an (ep, tp) mesh with FSDP2 over ep (fsdp_size equal to the ep size)")
+    style = experts.hf_moe_tp_style
+    if mesh.ndim == 1 and style.input_layout == Shard(0):
+        raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r} under {style!r} at {name}: ranks "
+                                   "holding their own batches without FSDP2 train the other adapters each on its "
+                                   "own batch, unaveraged; LoRA on experts under ExpertParallel is supported with "
+                                   "the ranks sharing a batch (input_layout=Replicate()) or with FSDP2")
     ep = _ep_dim(mesh, name)
     if weight.shape[0] % mesh.size(ep):
         raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r} under ExpertParallel: the "

@@ -12,6 +12,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from transformers import AutoModelForCausalLM
 
+from hf_moe_tp import ExpertParallel
+
 STEPS = 3
 TOL = 1e-5
 
@@ -323,6 +325,9 @@ def _refused(path: str, lora: dict, layout: dict) -> str | None:
 EP_REFUSED = {  # world size, checkpoint, layout, what the message names
     # (ep, tp) without FSDP2 over ep: the attention adapters on the tp mesh, their gradients each ep batch's
     "ep2_tp2 without FSDP2": (4, "mixtral", dict(ep_size=2), "without FSDP2 over ep"),
+    # each rank its own batch (data parallel over the EP ranks) without FSDP2: the other adapters unaveraged
+    "own batches": (2, "mixtral", dict(tp_plan={"model.layers.*.mlp.experts": ExpertParallel(input_layout=Shard(0))}),
+                    "ranks holding their own batches"),
     # 5 experts over 2 ranks (3 + 2): PEFT's r * 5 rows of lora_A would split mid-expert
     "uneven experts": (2, "mixtral-5", dict(ep_size=2), "5 experts of model.layers.0.mlp.experts do not divide"),
 }
