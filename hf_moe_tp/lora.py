@@ -148,16 +148,20 @@ def _follow_tuner(tuner: nn.Module) -> None:
         check_config(config, self.model)
 
     def create_and_replace(self, *args: Any, **kwargs: Any) -> None:
+        from peft.tuners.lora import ParamWrapper
+
         bound = signature.bind(self, *args, **kwargs)
         target = bound.arguments["target"]
         bases = {id(m): m for m in (target, getattr(target, "get_base_layer", lambda: target)())}.values()
         drawn_from = torch.random.get_rng_state()
         with _without_transformers_tp(bases):
             LoraModel._create_and_replace(self, *args, **kwargs)
-        # PEFT drew this rank's shapes; the whole shapes are drawn again from the same state, so the first rank
-        # draws what one process seeded alike draws
-        torch.random.set_rng_state(drawn_from)
         layer = getattr(bound.arguments["parent"], bound.arguments["target_name"])
+        # PEFT drew this rank's shapes of a layer's adapter; the whole shapes are drawn again from the same state,
+        # so the first rank draws what one process seeded alike draws. (An adapter on an expert weight PEFT drew
+        # at the whole shapes already: kept, and the state left after it, so the next adapter draws anew.)
+        if not isinstance(layer, ParamWrapper):
+            torch.random.set_rng_state(drawn_from)
         shard_adapter(layer, bound.arguments["adapter_name"], bound.arguments["lora_config"],
                       name=bound.arguments.get("current_key") or "")
 

@@ -222,6 +222,7 @@ def test_lora_on_routed_experts(ranks, checkpoints, tmp_path, layout):  # noqa: 
     for r in results:
         assert r["layers"] == 10 and r["same_keys"] and (r["column_and_row_wise"] or layout == "ep4_fsdp4"), r
         assert (by_experts in r["kinds"]) == (by_experts is not None), r["kinds"]
+        assert len(set(r["sums"])) == len(r["sums"]), r["sums"]  # every adapter its own draw
         assert r["all_dtensor"] and r["meshes"] == 1 and not r["wrong"] and r["ranks_agree"], r
         assert all(0.5 < a <= 1.0 and b <= 1.0 for a, b in r["ranges"]), r["ranges"]
         loss = max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"], strict=True))
