@@ -30,7 +30,12 @@ weight's mesh:
 - the routed experts' weights through ``target_parameters`` (PEFT's ``ParamWrapper``), named as ours:
   ``w1``/``w3`` (E, dim, hidden), split by hidden columns, so ``lora_B`` by rows; ``w2`` (E, hidden, dim), split
   by hidden rows, so ``lora_A`` by columns; PEFT folds ``W + B @ A`` per expert into the weight for the experts'
-  forward, here on this rank's shard with the local factors; the replicated factor's gradient is summed.
+  forward, here on this rank's shard with the local factors; the replicated factor's gradient is summed;
+- the same under ``ExpertParallel`` (whole experts per rank): both factors split by experts over ``ep``, as PEFT
+  lays them out (``lora_A`` rows expert-major: ``Shard(0)``; ``lora_B`` columns rank-major:
+  ``_StridedShard(1, split_factor=r)``), so a rank holds and folds only its experts' adapters; no communication
+  (on an ``(ep, tp)`` mesh, FSDP2 over ``ep``: gradients summed over ``tp``, divided by the ep size; over
+  FSDP2's replicas with experts over the TP ranks: averaged).
 
 Why so: each split factor follows its base weight's split, so a rank holds and multiplies only its share; the
 replicated factor of a split layer is the one that reads the replicated side (the whole input of a column-wise
@@ -50,9 +55,11 @@ once, from rank 0 (moved into place when complete); ``PeftModel.from_pretrained`
 
 Refused by name, on every rank: PEFT methods other than LoRA, LoRA variants (DoRA, ...), initialisations that
 read the base weights (PiSSA, OLoRA, LoftQ, EVA, ...), adapters made on the meta device, LoRA on embeddings,
-``target_parameters`` other than GroupedExperts' ``w1``/``w3``/``w2`` under ``TensorParallel`` (transformers'
-``gate_up_proj``/``down_proj``, which PEFT makes of ``target_modules="all-linear"`` on several MoE families;
-routers; ``ExpertParallel``; ``w2`` of experts with a down bias), ``modules_to_save`` with FSDP2,
+``target_parameters`` other than GroupedExperts' ``w1``/``w3``/``w2`` (transformers' ``gate_up_proj``/
+``down_proj``, which PEFT makes of ``target_modules="all-linear"`` on several MoE families; routers; ``w2`` of
+experts with a down bias under ``TensorParallel``; under ``ExpertParallel``: an ``(ep, tp)`` mesh without FSDP2
+over ``ep``, ranks holding their own batches without FSDP2, HSDP, experts that do not divide by the ep size),
+``modules_to_save`` with FSDP2,
 ``trainable_token_indices``, and base layers whose style this module does not place."""
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from .linear import ColumnParallel, RowParallel
 from .saving import SaveError
@@ -140,16 +148,20 @@ def _follow_tuner(tuner: nn.Module) -> None:
         check_config(config, self.model)
 
     def create_and_replace(self, *args: Any, **kwargs: Any) -> None:
+        from peft.tuners.lora import ParamWrapper
+
         bound = signature.bind(self, *args, **kwargs)
         target = bound.arguments["target"]
         bases = {id(m): m for m in (target, getattr(target, "get_base_layer", lambda: target)())}.values()
         drawn_from = torch.random.get_rng_state()
         with _without_transformers_tp(bases):
             LoraModel._create_and_replace(self, *args, **kwargs)
-        # PEFT drew this rank's shapes; the whole shapes are drawn again from the same state, so the first rank
-        # draws what one process seeded alike draws
-        torch.random.set_rng_state(drawn_from)
         layer = getattr(bound.arguments["parent"], bound.arguments["target_name"])
+        # PEFT drew this rank's shapes of a layer's adapter; the whole shapes are drawn again from the same state,
+        # so the first rank draws what one process seeded alike draws. (An adapter on an expert weight PEFT drew
+        # at the whole shapes already: kept, and the state left after it, so the next adapter draws anew.)
+        if not isinstance(layer, ParamWrapper):
+            torch.random.set_rng_state(drawn_from)
         shard_adapter(layer, bound.arguments["adapter_name"], bound.arguments["lora_config"],
                       name=bound.arguments.get("current_key") or "")
 
@@ -197,7 +209,9 @@ def check_config(config: Any, model: nn.Module) -> None:
 
 def _check_target_parameter(target: str, model: nn.Module) -> None:
     """A ``target_parameters`` entry must name only GroupedExperts weights (``w1``, ``w3``, ``w2``) that
-    ``TensorParallel`` splits; PEFT matches a parameter whose dotted name ends with the entry."""
+    ``TensorParallel`` or ``ExpertParallel`` splits; PEFT matches a parameter whose dotted name ends with the
+    entry."""
+    from .expert_parallel import ExpertParallel
     from .experts import GroupedExperts
     from .styles import TensorParallel
 
@@ -216,16 +230,63 @@ def _check_target_parameter(target: str, model: nn.Module) -> None:
               "transformers' gate_up_proj/down_proj nor on routers. (With transformers 5 PEFT turns "
               "target_modules='all-linear', and gate_proj/up_proj/down_proj/w1/w2/w3/gate on Mixtral-, Qwen3-MoE- "
               "and DeepSeek-like models, into such entries; list the linear layers instead.)")
-    biased = [name for name, module in hits if target.endswith("w2") and module.b2 is not None]
+    styles = {name: getattr(module, "hf_moe_tp_style", None) for name, module in hits}
+    biased = [name for name, module in hits if target.endswith("w2") and module.b2 is not None
+              and type(styles[name]) is TensorParallel]
     if biased:
         raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r}: the experts {biased[0]} have a down "
                                    "bias (b2), added once over the ranks by reading w2's split, which the adapter's "
-                                   "fold hides; LoRA on their w2 is not supported yet (w1/w3 are)")
-    unsplit = [name for name, module in hits if type(getattr(module, "hf_moe_tp_style", None)) is not TensorParallel]
+                                   "fold hides; LoRA on their w2 is not supported under TensorParallel yet (w1/w3 "
+                                   "are; ExpertParallel, whose ranks hold whole experts, takes w2 too)")
+    unsplit = [name for name, style in styles.items() if type(style) not in (TensorParallel, ExpertParallel)]
     if unsplit:
         raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r}: the experts {unsplit[0]} run "
-                                   f"{getattr(model.get_submodule(unsplit[0]), 'hf_moe_tp_style', None)!r}; LoRA "
-                                   "on experts is supported under TensorParallel (not yet ExpertParallel)")
+                                   f"{styles[unsplit[0]]!r}; LoRA on experts is supported under TensorParallel and "
+                                   "ExpertParallel")
+    for name, module in hits:
+        if type(styles[name]) is ExpertParallel:
+            _check_expert_parallel(target, name, module, model)
+
+
+def _check_expert_parallel(target: str, name: str, experts: nn.Module, model: nn.Module) -> None:
+    """Expert adapters under ExpertParallel are split over ``ep`` expert by expert: the experts must split evenly
+    (PEFT's ``r * E`` rows of ``lora_A`` cut as ``torch.chunk`` cuts would otherwise straddle experts), and on an
+    ``(ep, tp)`` mesh the dense layers must be FSDP2-sharded over ``ep`` (otherwise the attention adapters sit on
+    another mesh, and their gradients, each ep rank's batch's, would need the caller's averaging over ``ep``);
+    for the same reason a 1-D mesh's ranks must share the batch (``input_layout=Replicate()``). HSDP (two
+    data-parallel dimensions beside the experts') is not placed (untested: it needs 8 ranks)."""
+    weight = experts.w1
+    mesh = weight.device_mesh
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim > 2:
+        raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r} under ExpertParallel on the mesh "
+                                   f"{names} of {name} (HSDP): not supported; LoRA on experts under ExpertParallel "
+                                   "is supported with ep_size equal to the TP size (with or without FSDP2), and on "
+                                   "an (ep, tp) mesh with FSDP2 over ep (fsdp_size equal to the ep size)")
+    style = experts.hf_moe_tp_style
+    if mesh.ndim == 1 and style.input_layout == Shard(0):
+        raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r} under {style!r} at {name}: ranks "
+                                   "holding their own batches without FSDP2 train the other adapters each on its "
+                                   "own batch, unaveraged; LoRA on experts under ExpertParallel is supported with "
+                                   "the ranks sharing a batch (input_layout=Replicate()) or with FSDP2")
+    ep = _ep_dim(mesh, name)
+    if weight.shape[0] % mesh.size(ep):
+        raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r} under ExpertParallel: the "
+                                   f"{weight.shape[0]} experts of {name} do not divide by the ep size "
+                                   f"{mesh.size(ep)}; LoRA on unevenly split experts is not supported")
+    if "ep" in names and not any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r} under ExpertParallel on an (ep, tp) "
+                                   "mesh without FSDP2 over ep: the attention adapters would sit on another mesh "
+                                   "than the experts' (no one clip_grad_norm_) and their gradients, each ep rank's "
+                                   "own batch's, would go unaveraged; load with fsdp_size equal to the ep size, or "
+                                   "with ep_size equal to the TP size")
+
+
+def _ep_dim(mesh: DeviceMesh, where: str) -> int:
+    """The mesh dimension ExpertParallel splits the experts over: ``"ep"`` of an ``(ep, tp)`` mesh, else the TP
+    dimension (the experts over the ranks that split attention)."""
+    names = mesh.mesh_dim_names or ()
+    return names.index("ep") if "ep" in names else _tp_dim(mesh, where)
 
 
 # ---- placing one adapter ----------------------------------------------------------------------------------------
@@ -266,9 +327,12 @@ def shard_adapter(layer: nn.Module, adapter: str, config: Any, name: str = "") -
 def _delta_like_base(layer: nn.Module, adapter: str) -> torch.Tensor:
     """PEFT's ``get_delta_weight`` (``B @ A``, a DTensor placed like the base weight's TP split), laid out as the
     base weight is (FSDP2's data-parallel shards too), so merging adds it in place. (Inside an expert adapter's
-    forward the factors are local tensors, and so is the delta.)"""
-    delta = type(layer).get_delta_weight(layer, adapter)
+    forward the factors are local tensors, and so is the delta.) Experts split by experts:
+    :func:`_delta_by_experts`."""
     weight = layer.get_param() if hasattr(layer, "get_param") else layer.get_base_layer().weight
+    if getattr(layer, "_hf_moe_tp_by_experts", None) is not None:
+        return _delta_by_experts(layer, adapter, weight)
+    delta = type(layer).get_delta_weight(layer, adapter)
     if not isinstance(delta, DTensor) or not isinstance(weight, DTensor):
         return delta
     if delta.device_mesh != weight.device_mesh:
@@ -280,68 +344,163 @@ def _delta_like_base(layer: nn.Module, adapter: str) -> torch.Tensor:
     return delta
 
 
+def _delta_by_experts(layer: nn.Module, adapter: str, weight: DTensor) -> torch.Tensor:
+    """This rank's experts' ``B @ A`` (E_local, in, out) from PEFT's per-expert factors (``get_delta_factors``:
+    PEFT's own ``get_delta_weight`` takes an expert count of 1, one expert per rank, for a 2-D weight); outside
+    the forward, from the local factors, as a DTensor placed as the weight is."""
+    dtensor = isinstance(layer.lora_A[adapter].weight, DTensor)
+    swapped = _swap_local(layer, DTensor.to_local, weight=False) if dtensor else []
+    try:
+        lhs, rhs, scaling = type(layer).get_delta_factors(layer, adapter)
+        delta = torch.bmm(lhs, rhs) * scaling
+    finally:
+        _put_back(swapped)
+    if dtensor:
+        delta = DTensor.from_local(delta, weight.device_mesh, layer._hf_moe_tp_by_experts, run_check=False,
+                                   shape=weight.shape, stride=weight.stride())
+        if tuple(delta.placements) != tuple(weight.placements):  # FSDP2's shards of this rank's experts
+            delta = delta.redistribute(weight.device_mesh, weight.placements)
+    return delta
+
+
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
 
 def _shard_expert_adapter(layer: nn.Module, adapter: str, where: str) -> None:
     """An adapter PEFT's ``ParamWrapper`` puts on a GroupedExperts weight (``target_parameters``): ``lora_A``
     (r*E, in), ``lora_B`` (out, r*E), whole already (PEFT sizes them from the DTensor's whole shape), placed like
-    the weight's TensorParallel split: ``w1``/``w3`` split by hidden columns, so B by rows; ``w2`` split by hidden
-    rows, so A by columns. PEFT folds ``W + B @ A`` per expert into the weight for the experts' forward; here
-    that runs on this rank's shard of the weight and the local factors, and the replicated factor's gradient (a
-    partial sum over the ranks' hidden slices) is summed."""
+    the weight's split. Under TensorParallel: ``w1``/``w3`` split by hidden columns, so B by rows; ``w2`` split by
+    hidden rows, so A by columns; the replicated factor's gradient (a partial sum over the ranks' hidden slices)
+    is summed. Under ExpertParallel: split by experts (:func:`_place_by_experts`). PEFT folds ``W + B @ A`` per
+    expert into the weight for the experts' forward; here that runs on this rank's shard of the weight and the
+    local factors."""
+    from .expert_parallel import ExpertParallel
+
     base = layer.get_base_layer()
     weight = layer.get_param()
     if layer.parameter_name not in EXPERT_WEIGHTS or not isinstance(weight, DTensor):
         raise UnsupportedLoraError(f"LoRA on parameter {layer.parameter_name!r} of {where}: only the experts' "
                                    f"{EXPERT_WEIGHTS} are supported on the tensor-parallel model")
-    split = weight.placements[_tp_dim(weight.device_mesh, where)]
-    placement = _Placement(base.hf_moe_tp_style, where, weight.device_mesh, kind="experts")
-    placement.a, placement.b = (Shard(1), Replicate()) if split == Shard(1) else (Replicate(), Shard(0))
     a, b = layer.lora_A[adapter], layer.lora_B[adapter]
     if a.weight.device.type == "meta":
         raise UnsupportedLoraError("LoRA adapters made on the meta device (low_cpu_mem_usage=True) on the "
                                    "tensor-parallel model: create them with low_cpu_mem_usage=False")
-    _distribute(a, placement, placement.a)
-    _distribute(b, placement, placement.b)
+    if type(base.hf_moe_tp_style) is ExpertParallel:
+        local_of = _place_by_experts(layer, adapter, weight, where)
+    else:
+        split = weight.placements[_tp_dim(weight.device_mesh, where)]
+        placement = _Placement(base.hf_moe_tp_style, where, weight.device_mesh, kind="experts")
+        placement.a, placement.b = (Shard(1), Replicate()) if split == Shard(1) else (Replicate(), Shard(0))
+        _distribute(a, placement, placement.a)
+        _distribute(b, placement, placement.b)
+        to_local = {"replicated": placement.to_local(sum_tp=True), "split": placement.to_local(sum_tp=False)}
+
+        def local_of(p: DTensor) -> torch.Tensor:
+            return to_local["replicated" if p.placements[placement.tp_dim] == Replicate() else "split"](p)
+
     if "_hf_moe_tp_local" not in vars(layer):
         layer._hf_moe_tp_local = True
-        _expert_adapters_local(layer, placement)
+        _expert_adapters_local(layer, local_of)
     if "get_delta_weight" not in vars(layer):
         layer.get_delta_weight = types.MethodType(_delta_like_base, layer)
 
 
-def _expert_adapters_local(layer: nn.Module, placement: _Placement) -> None:
+def _place_by_experts(layer: nn.Module, adapter: str, weight: DTensor, where: str
+                      ) -> Callable[[DTensor], torch.Tensor]:
+    """Under ExpertParallel each rank holds whole experts (``Shard(0)`` over ``ep``), so its adapters are those
+    experts' and nothing else. PEFT lays the experts out as ``lora_A`` rows ``e * r + j`` (expert-major:
+    ``Shard(0)`` splits it by experts when they divide evenly, checked before) and ``lora_B`` columns
+    ``j * E + e`` (rank-major: ``_StridedShard(1, split_factor=r)`` takes this rank's experts' columns of each
+    of the r blocks, in PEFT's local order ``j * E_local + e``). No gradient needs summing over ``ep``: every
+    routed token reaches its expert's rank. Over the other dimension, replicated:
+
+    - ``tp`` of an ``(ep, tp)`` mesh (FSDP2 over ``ep``, checked before): its ranks hold copies and each
+      dispatches a slice of the batch, so the gradients are summed over ``tp``, then divided by the ep size as
+      FSDP2 divides the experts' (:func:`hf_moe_tp.fsdp.shard_data_parallel`);
+    - a data-parallel dimension (FSDP2, experts over the TP ranks): each replica its own batch, so the gradients
+      are averaged over it, as FSDP2 averages the experts'.
+
+    Returns the local view the forward computes with."""
+    mesh = weight.device_mesh
+    ep = _ep_dim(mesh, where)
+    others = [d for d in range(mesh.ndim) if d != ep]
+    named_ep = "ep" in (mesh.mesh_dim_names or ())
+    if weight.placements[ep] != Shard(0) or (named_ep and any(weight.placements[d] != Replicate() for d in others)):
+        raise UnsupportedLoraError(f"LoRA on {where} under ExpertParallel: its weight is placed "
+                                   f"{weight.placements}, not split by experts over dimension {ep} alone")
+    by_experts = [Replicate()] * mesh.ndim
+    by_experts[ep] = Shard(0)
+    strided = [Replicate()] * mesh.ndim
+    strided[ep] = _StridedShard(1, split_factor=layer.r[adapter])
+    for module, placements in ((layer.lora_A[adapter], by_experts), (layer.lora_B[adapter], strided)):
+        p = module.weight
+        dt = distribute_tensor(p.detach(), mesh, placements, src_data_rank=0)
+        module.register_parameter("weight", nn.Parameter(dt, requires_grad=p.requires_grad))
+    layer._hf_moe_tp_by_experts = by_experts
+    if named_ep:  # the division alone (no group to average over), also when tp is of size 1
+        copies = mesh.get_group(others[0]) if mesh.size(others[0]) > 1 else None
+        mean_over, size = [], mesh.size(ep)
+    else:
+        others = [d for d in others if mesh.size(d) > 1]
+        if not others:
+            return DTensor.to_local
+        copies, mean_over, size = None, [mesh.get_group(d) for d in others], math.prod(mesh.size(d) for d in others)
+
+    def local_of(p: DTensor) -> torch.Tensor:
+        t = p.to_local()
+        if not p.requires_grad:
+            return t
+        if copies is not None:
+            t = _SumGradOverMesh.apply(t, copies)
+        return _MeanGradOver.apply(t, mean_over, size)
+
+    return local_of
+
+
+def _expert_adapters_local(layer: nn.Module, local_of: Callable[[DTensor], torch.Tensor]) -> None:
     """During the ``ParamWrapper``'s forward, its base weight appears as this rank's shard (a frozen local
-    parameter, which PEFT's parametrization then folds the adapter into) and every adapter's factors as local
-    tensors: the replicated one's gradient summed over ``tp``, both averaged over data-parallel dimensions."""
-    base, pname = layer.get_base_layer(), layer.parameter_name
-    to_local = {Replicate(): placement.to_local(sum_tp=True), "split": placement.to_local(sum_tp=False)}
-    saved: list[list[tuple[dict, str, torch.Tensor]]] = []
+    parameter, which PEFT's parametrization then folds the adapter into), every adapter's factors as
+    ``local_of`` them, and its expert count as this rank's."""
+    saved: list[list[tuple[dict, str, Any]]] = []
 
     def use_local(module: nn.Module, args: tuple) -> None:
-        swapped = []
-        weight = base._parameters.get(pname)
-        if isinstance(weight, DTensor):
-            base._parameters[pname] = nn.Parameter(weight.to_local(), requires_grad=False)
-            swapped.append((base._parameters, pname, weight))
-        for factors in (layer.lora_A, layer.lora_B):
-            for factor in factors.values():
-                p = factor._parameters.get("weight")
-                if isinstance(p, DTensor):
-                    tp = p.placements[placement.tp_dim]
-                    factor._parameters["weight"] = to_local[tp if tp == Replicate() else "split"](p)
-                    swapped.append((factor._parameters, "weight", p))
-        saved.append(swapped)
+        saved.append(_swap_local(layer, local_of, weight=True))
 
     def restore(module: nn.Module, args: tuple, out: Any) -> None:
-        if not saved:
-            return
-        for table, name, t in saved.pop():
-            table[name] = t
+        if saved:
+            _put_back(saved.pop())
 
     layer.register_forward_pre_hook(use_local)
     layer.register_forward_hook(restore, always_call=True)
+
+
+def _swap_local(layer: nn.Module, local_of: Callable[[DTensor], torch.Tensor], weight: bool
+                ) -> list[tuple[dict, str, Any]]:
+    """Put the local views in place (the base weight's too with ``weight``); returns what to put back. PEFT
+    reshapes the factors by ``num_experts``: this rank's count, read from its rows of ``lora_A`` (r per expert;
+    all experts unless they are split; a weight FSDP2 has resharded holds fewer)."""
+    swapped: list[tuple[dict, str, Any]] = []
+    base, pname = layer.get_base_layer(), layer.parameter_name
+    param = base._parameters.get(pname)
+    if weight and isinstance(param, DTensor):
+        base._parameters[pname] = nn.Parameter(param.to_local(), requires_grad=False)
+        swapped.append((base._parameters, pname, param))
+    adapter, a = next(iter(layer.lora_A.items()), (None, None))
+    if a is not None and isinstance(a.weight, DTensor):
+        swapped.append((vars(layer), "num_experts", layer.num_experts))
+        layer.num_experts = a.weight.to_local().shape[0] // layer.r[adapter]
+    for factors in (layer.lora_A, layer.lora_B):
+        for factor in factors.values():
+            p = factor._parameters.get("weight")
+            if isinstance(p, DTensor):
+                factor._parameters["weight"] = local_of(p)
+                swapped.append((factor._parameters, "weight", p))
+    return swapped
+
+
+def _put_back(swapped: list[tuple[dict, str, Any]]) -> None:
+    for table, name, value in reversed(swapped):
+        table[name] = value
 
 
 def _tp_dim(mesh: DeviceMesh, where: str) -> int:

@@ -6,9 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from families import configs, save_model
 from test_training import batches, checkpoints, layout_model, run_steps  # noqa: F401 - checkpoints: a fixture
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from transformers import AutoModelForCausalLM
+
+from hf_moe_tp import ExpertParallel
 
 STEPS = 3
 TOL = 1e-5
@@ -67,9 +71,13 @@ def placement_report(model, adapter: str = "default") -> dict:
         else:  # a linear weight (out, in)
             base = layer.get_base_layer().weight
             in_dim, out_dim, rank = 1, 0, r
-        tp = base.device_mesh.mesh_dim_names.index("tp") if base.device_mesh.ndim > 1 else 0
+        names = base.device_mesh.mesh_dim_names or ()
+        by_experts = hasattr(layer, "get_param") and "ep" in names  # an (ep, tp) mesh: experts split over ep
+        tp = names.index("ep" if by_experts else "tp") if base.device_mesh.ndim > 1 else 0
         split = base.placements[tp] if base.device_mesh.size(tp) > 1 else Replicate()
-        if split == Shard(in_dim):
+        if split == Shard(0) and hasattr(layer, "get_param"):  # ExpertParallel: by experts, PEFT's layouts
+            want = (Shard(0), _StridedShard(1, split_factor=r))
+        elif split == Shard(in_dim):
             want = (Shard(1), Replicate())
         elif split == Shard(out_dim):
             want = (Replicate(), Shard(0))
@@ -82,8 +90,8 @@ def placement_report(model, adapter: str = "default") -> dict:
         whole_a, whole_b = a.full_tensor(), b.full_tensor()
         sums.append((whole_a.double().sum().item(), whole_b.double().sum().item()))
         ranges.append((whole_a.abs().max().item() * a.shape[1] ** 0.5, whole_b.abs().max().item() * rank ** 0.5))
-    return {"wrong": wrong, "sums": sums, "ranges": ranges, "column_and_row_wise": len(kinds - {(Replicate(),
-                                                                                                  Replicate())}) == 2}
+    return {"wrong": wrong, "sums": sums, "ranges": ranges, "kinds": kinds,
+            "column_and_row_wise": {(Replicate(), Shard(0)), (Shard(1), Replicate())} <= kinds}
 
 
 def one_rank_model(path: str):
@@ -146,16 +154,23 @@ def _lora_training(path: str, layout: dict, lora: dict, steps: int = STEPS, out:
         ref_loss.append(step_loss.item())
     want = whole(get_peft_model_state_dict(ref))
     got = whole(get_peft_model_state_dict(model))
-    reloaded = None
+    reloaded = merged = None
+    layers = len(lora_layers(model))
     if out is not None:
         model.eval().save_pretrained(out)
         fresh = one_rank_model(path) if experts else AutoModelForCausalLM.from_pretrained(path)
-        with torch.no_grad():
-            ids = data[0]
-            reloaded = (PeftModel.from_pretrained(fresh, out).eval()(ids).logits - model(ids).logits).abs().max().item()
-    return {"reloaded": reloaded, "loss": loss, "ref_loss": ref_loss, "norm": norm, "ref_norm": ref_norm,
+        loaded = PeftModel.from_pretrained(fresh, out).eval()
+        with torch.no_grad():  # a batch, and one row (EP's inference dispatch: its few-pairs path too)
+            logits = [model(ids).logits for ids in (data[0], data[0][:1])]
+            reloaded = max((loaded(ids).logits - x).abs().max().item() for ids, x in zip((data[0], data[0][:1]),
+                                                                                        logits, strict=True))
+            unloaded = model.merge_and_unload()
+            merged = max((unloaded(ids).logits - x).abs().max().item() for ids, x in zip((data[0], data[0][:1]),
+                                                                                        logits, strict=True))
+    return {"reloaded": reloaded, "merged": merged, "loss": loss, "ref_loss": ref_loss, "norm": norm,
+            "ref_norm": ref_norm,
             "weights": max((got[k] - want[k]).abs().max().item() for k in want), "same_keys": set(got) == set(want),
-            "layers": len(lora_layers(model)), "meshes": len({p.device_mesh for p in trainable}),
+            "layers": layers, "meshes": len({p.device_mesh for p in trainable}),
             "all_dtensor": all(isinstance(p, DTensor) for p in trainable),
             "ranks_agree": all(s == sums[0] for s in sums),
             **report}
@@ -182,24 +197,38 @@ def test_lora_trains_as_one_process(ranks, checkpoints, case):  # noqa: F811 - t
 
 EXPERTS = dict(target_modules=["q_proj", "o_proj"], target_parameters=["mlp.experts.w1", "mlp.experts.w3",
                                                                          "mlp.experts.w2"], init_lora_weights=False)
-EXPERT_LAYOUTS = {"tp2": (2, {}), "tp4": (4, {}), "dp2_tp2": (4, dict(fsdp_size=2))}
+EXPERT_LAYOUTS = {"tp2": (2, {}), "tp4": (4, {}), "dp2_tp2": (4, dict(fsdp_size=2)),
+                  # whole experts per rank, attention split over the same ranks
+                  "ep2": (2, dict(ep_size=2)),
+                  "ep2_all_reduce": (2, dict(ep_size=2, ep_dispatch="all_reduce")),  # no token moves, with gradients
+                  # FSDP2 over dp_shard, experts whole per rank over the TP ranks of each replica
+                  "dp2_ep2": (4, dict(fsdp_size=2, ep_size=2)),
+                  # experts over ep, attention over tp, a batch per ep coordinate, FSDP2 of the dense layers over ep
+                  "ep2_tp2_fsdp": (4, dict(mesh=(("ep", 2), ("tp", 2)), fsdp_size=2)),
+                  # TP size 1: experts over the data-parallel ranks, one each
+                  "ep4_fsdp4": (4, dict(fsdp_size=4, ep_size=4))}
 
 
 @pytest.mark.parametrize("layout", sorted(EXPERT_LAYOUTS))
 def test_lora_on_routed_experts(ranks, checkpoints, tmp_path, layout):  # noqa: F811 - the fixture
     """PEFT's target_parameters on GroupedExperts' w1/w3/w2 (TensorParallel: A or B split with the weight's
-    hidden dim) beside attention adapters: per-step loss and norm within 1e-5 of hf_moe_tp's model at TP size 1
-    in one process, the trained adapters equal to its; saved through PEFT on every rank, loaded into that
-    one-process model with the TP model's logits."""
+    hidden dim; ExpertParallel: both split by experts, as PEFT lays them out) beside attention adapters: per-step
+    loss and norm within 1e-5 of hf_moe_tp's model at TP size 1 in one process, the trained adapters equal to
+    its; saved through PEFT on every rank, loaded into that one-process model with the parallel model's logits;
+    merge_and_unload gives them too (EP: merged into each rank's experts, FSDP2's shards of them)."""
     world, kwargs = EXPERT_LAYOUTS[layout]
     results = ranks(world).run(_lora_training, checkpoints("mixtral"), kwargs, EXPERTS, STEPS, str(tmp_path / "a"))
+    by_experts = (Shard(0), _StridedShard(1, split_factor=4)) if "ep" in layout else None  # ExpertParallel
     for r in results:
-        assert r["layers"] == 10 and r["same_keys"] and r["column_and_row_wise"], r
+        assert r["layers"] == 10 and r["same_keys"] and (r["column_and_row_wise"] or layout == "ep4_fsdp4"), r
+        assert (by_experts in r["kinds"]) == (by_experts is not None), r["kinds"]
+        assert len(set(r["sums"])) == len(r["sums"]), r["sums"]  # every adapter its own draw
         assert r["all_dtensor"] and r["meshes"] == 1 and not r["wrong"] and r["ranks_agree"], r
         assert all(0.5 < a <= 1.0 and b <= 1.0 for a, b in r["ranges"]), r["ranges"]
         loss = max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"], strict=True))
         norm = max(abs(a - b) for a, b in zip(r["norm"], r["ref_norm"], strict=True))
         assert loss <= TOL and norm <= TOL and r["weights"] <= TOL and r["reloaded"] <= TOL, (loss, norm, r)
+        assert r["merged"] <= TOL, r
 
 
 def _save_merge(path: str, layout: dict, out: str) -> dict:
@@ -272,7 +301,6 @@ REFUSED = {  # LoraConfig, the layout, what the message names
     "all-linear": (dict(target_modules="all-linear"), {}, "target_parameters entry 'down_proj'"),
     "transformers' expert names": (dict(target_parameters=["mlp.experts.gate_up_proj"]), {}, "names no parameter"),
     "router": (dict(target_parameters=["mlp.gate.weight"]), {}, "names parameters of"),
-    "expert parallel": (dict(target_parameters=["mlp.experts.w1"]), dict(ep_size=2), "not yet ExpertParallel"),
     "pissa": (dict(target_modules=ATTENTION, init_lora_weights="pissa"), {}, "init_lora_weights='pissa'"),
     "dora": (dict(target_modules=ATTENTION, use_dora=True), {}, "use_dora=True"),
     "embedding": (dict(target_modules=["embed_tokens"]), {}, "only linear layers"),
@@ -295,6 +323,31 @@ def _refused(path: str, lora: dict, layout: dict) -> str | None:
     return None
 
 
+EP_REFUSED = {  # world size, checkpoint, layout, what the message names
+    # (ep, tp) without FSDP2 over ep: the attention adapters on the tp mesh, their gradients each ep batch's
+    "ep2_tp2 without FSDP2": (4, "mixtral", dict(ep_size=2), "without FSDP2 over ep"),
+    # each rank its own batch (data parallel over the EP ranks) without FSDP2: the other adapters unaveraged
+    "own batches": (2, "mixtral", dict(tp_plan={"model.layers.*.mlp.experts": ExpertParallel(input_layout=Shard(0))}),
+                    "ranks holding their own batches"),
+    # 5 experts over 2 ranks (3 + 2): PEFT's r * 5 rows of lora_A would split mid-expert
+    "uneven experts": (2, "mixtral-5", dict(ep_size=2), "5 experts of model.layers.0.mlp.experts do not divide"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EP_REFUSED))
+def test_lora_expert_parallel_refusals(ranks, checkpoints, tmp_path, case):  # noqa: F811 - the fixture
+    """LoRA on experts under ExpertParallel layouts it does not place is refused by name on every rank."""
+    world, family, layout, named = EP_REFUSED[case]
+    if family == "mixtral-5":
+        config = configs()["mixtral"]
+        config.num_local_experts = 5
+        path = str(save_model(config, tmp_path / family))
+    else:
+        path = checkpoints(family)
+    for message in ranks(world).run(_refused, path, dict(target_parameters=["mlp.experts.w1"]), layout):
+        assert message is not None and named in message, (case, message)
+
+
 def _other_method_refused(path: str) -> str | None:
     from peft import LoHaConfig, get_peft_model
 
@@ -309,8 +362,8 @@ def _other_method_refused(path: str) -> str | None:
 
 def test_lora_refusals(ranks, checkpoints):  # noqa: F811 - the fixture
     """What is not placed on the TP model is refused by name on every rank: target_parameters other than our
-    experts' w1/w3/w2 under TensorParallel (transformers' names, which PEFT makes of 'all-linear' on Mixtral;
-    routers; ExpertParallel), base-weight initialisations, LoRA variants, embeddings, other PEFT methods."""
+    experts' w1/w3/w2 (transformers' names, which PEFT makes of 'all-linear' on Mixtral; routers), base-weight
+    initialisations, LoRA variants, embeddings, other PEFT methods."""
     path = checkpoints("mixtral")
     for case, (lora, layout, named) in REFUSED.items():
         for message in ranks(2).run(_refused, path, lora, layout):
