@@ -5,7 +5,8 @@
 - Experts: the family's adapter (``model_patches``) maps per-expert or packed checkpoint tensors onto
   GroupedExperts' ``w1``/``w3``/``w2`` (:class:`hf_moe_tp.sources.Source` per tensor).
 - Fused and split tensors: transformers' ``Concatenate``/``Split``/``Chunk`` converters become sources that
-  fill part of a parameter, ``Interleave`` on packed experts a layout flag.
+  fill part of a parameter (a ``Chunk`` after an ``Interleave``: every other row), ``Interleave`` on packed
+  experts a layout flag.
 - Everything else: the checkpoint tensor of the same name.
 """
 
@@ -108,10 +109,11 @@ def _converted_sources(model: nn.Module, converters: list[WeightConverter], targ
                        shapes: dict[str, tuple]) -> dict[str, list[Source]]:
     """Sources of parameters that transformers' conversion mapping fuses from several checkpoint tensors
     (``Concatenate``: Kimi-Linear's and Bailing's ``q/k/v_conv1d`` into ``conv1d``) or splits from one (``Split``,
-    ``Chunk``: Lara-Mini's ``in_proj`` into ``in_proj_qkv/z/b/a``): each checkpoint tensor fills its range of the
-    parameter, so a rank still reads only the part of each tensor its shard needs. ``shapes`` holds checkpoint
-    tensors under their renamed names (:func:`model_keys`); converters of other operations (the experts'
-    ``MergeModulelist``) are left to the adapters."""
+    ``Chunk``: Lara-Mini's ``in_proj`` into ``in_proj_qkv/z/b/a``; after an ``Interleave``: Inkling's shared
+    expert ``shared_w13_weight`` into ``gate_proj`` at the even rows and ``up_proj`` at the odd ones): each
+    checkpoint tensor fills its range of the parameter, so a rank still reads only the part of each tensor its
+    shard needs. ``shapes`` holds checkpoint tensors under their renamed names (:func:`model_keys`); converters of
+    other operations (the experts' ``MergeModulelist``) are left to the adapters."""
     prefix = getattr(model, "base_model_prefix", None)
     groups: dict[tuple[int, str], list[tuple[int, str]]] = {}
     for name in shapes:
@@ -122,8 +124,7 @@ def _converted_sources(model: nn.Module, converters: list[WeightConverter], targ
             if pattern is None:
                 continue
             ops = getattr(conv, "operations", [])
-            if (len(ops) == 1 and type(ops[0]) in (Concatenate, Split, Chunk)
-                    and getattr(ops[0], "num_shards_attribute", None) is None):
+            if _readable(ops):
                 target = _with_prefix(target, targets, prefix)
                 groups.setdefault((converters.index(conv), target), []).append(
                     (conv.source_patterns.index(pattern), name))
@@ -144,6 +145,8 @@ def _converted_sources(model: nn.Module, converters: list[WeightConverter], targ
                 at += shape[dim]
             out[target] = srcs
         else:  # one checkpoint tensor -> one parameter per target pattern, in order
+            interleaved = isinstance(op, Interleave)
+            op = conv.operations[-1]
             for _, name in pieces:
                 shape = tuple(shapes[name])
                 dim = op.dim % len(shape)
@@ -152,12 +155,40 @@ def _converted_sources(model: nn.Module, converters: list[WeightConverter], targ
                     continue
                 sizes = ([targets[n].shape[dim] for n in names] if isinstance(op, Split)
                          else [shape[dim] // len(names)] * len(names))
-                start = 0
-                for n, size in zip(names, sizes, strict=True):
-                    dims = tuple(Axis(i, start=start) if i == dim else Axis(i) for i in range(len(shape)))
+                starts = [sum(sizes[:k]) for k in range(len(sizes))]
+                axes = [_deinterleaved(a, size, shape[dim]) if interleaved else (a, 1)
+                        for a, size in zip(starts, sizes, strict=True)]
+                if None in axes:  # a piece across both halves: no strided read; left missing, refused by name
+                    continue
+                for n, (first, step) in zip(names, axes, strict=True):
+                    dims = tuple(Axis(i, start=first, step=step) if i == dim else Axis(i) for i in range(len(shape)))
                     out[n] = [Source(name, dims, shape)]
-                    start += size
     return out
+
+
+def _readable(ops: list) -> bool:
+    """Whether ``ops`` fuse or split tensors in a way a rank can read piece by piece: one ``Concatenate``,
+    ``Split`` or ``Chunk`` (a fixed number of pieces), or a ``Chunk``/``Split`` after an ``Interleave`` along the
+    same dim (Inkling's ``shared_w13_weight``: gate and up rows alternate in the checkpoint)."""
+    last = ops[-1] if ops else None
+    if type(last) not in (Concatenate, Split, Chunk) or getattr(last, "num_shards_attribute", None) is not None:
+        return False
+    if len(ops) == 1:
+        return True
+    first = ops[0]
+    return (len(ops) == 2 and type(first) is Interleave and not first.inverse and type(last) is not Concatenate
+            and first.dim == last.dim)
+
+
+def _deinterleaved(start: int, size: int, n: int) -> tuple[int, int] | None:
+    """Where rows ``[start, start + size)`` of transformers' ``Interleave`` output (even rows of the ``n``
+    checkpoint rows first, then the odd ones) sit in the checkpoint: (first row, step 2); None across both halves."""
+    half = n // 2
+    if start + size <= half:
+        return 2 * start, 2
+    if start >= half:
+        return 2 * (start - half) + 1, 2
+    return None
 
 
 def _with_prefix(name: str, targets: dict, prefix: str | None) -> str:

@@ -11,7 +11,8 @@ concatenates into one parameter (kimi_linear, a ``Concatenate`` conversion read 
 Two multimodal families run whole, through the class their checkpoints declare, with an image and a video:
 ERNIE-4.5-VL (hub checkpoint with text and vision experts in one list, vision experts routed for the image
 tokens, the vision MLP split by transformers' plan) and GLM-4.5V (a replicated vision tower whose parameters
-its own code reads, run by ``generate`` outside the forward; video frames as image placeholders).
+its own code reads, run by ``generate`` outside the forward; video frames as image placeholders). Inkling's full
+class loads, matches and saves back its shared expert's interleaved gate/up tensor (one TP 2 run, text ids).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBSET = ["aria", "minimax_m3_vl", "flex_olmo", "deepseek_v2", "qwen3_vl_moe", "kimi_linear"]
@@ -53,7 +55,7 @@ def _multimodal(path: str, inputs: str, full: bool = True) -> dict:  # on the ra
 
 @pytest.fixture(scope="module")
 def families():
-    return {f.name: f for f in _cov().discover() if f.name in SUBSET + MULTIMODAL}
+    return {f.name: f for f in _cov().discover() if f.name in SUBSET + MULTIMODAL + ["inkling"]}
 
 
 @pytest.mark.parametrize("name", SUBSET)
@@ -83,6 +85,61 @@ def test_multimodal_family(ranks, families, tmp_path, name):
     path, inputs = mm.save_multimodal(families[name], tmp_path, expert_hidden=21)
     result = ranks(2).run(_multimodal, str(path), str(inputs), False)[0]
     assert mm.multimodal_passes(result) == (["image", "video"], "", ""), result
+
+
+def _inkling_round_trip(path: str, out: str) -> float:  # on the ranks
+    import hf_moe_tp
+
+    model = hf_moe_tp.from_pretrained(path)
+    ref = type(model).from_pretrained(path, experts_implementation="eager").eval()
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
+    hf_moe_tp.save_pretrained(model, out)
+    return diff
+
+
+def test_inkling_shared_expert_interleaved(ranks, families, tmp_path):
+    """Inkling's full class keeps the shared expert's gate and up rows interleaved in one (1, 2I, H) tensor
+    (transformers: ``Interleave`` then ``Chunk``): at TP 2 with I = 21 the logits match transformers' one process
+    and saving writes back the checkpoint transformers wrote, tensor for tensor; a rank's box of rows (11 of 21, as
+    a column-wise shard would hold) reads every other checkpoint row, as transformers' conversion places them."""
+    _cov()
+    import coverage_multimodal as mm
+    from safetensors.torch import load_file
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    from hf_moe_tp.conversions import model_keys, parameter_sources
+
+    path, _ = mm.save_multimodal(families["inkling"], tmp_path, expert_hidden=21)
+    out = tmp_path / "saved"
+    assert ranks(2).run(_inkling_round_trip, str(path), str(out))[0] <= 2e-5
+    original, saved = load_file(path / "model.safetensors"), load_file(out / "model.safetensors")
+    assert list(saved) == list(original)
+    assert [k for k in original if not torch.equal(saved[k], original[k])] == []
+
+    key = "model.llm.layers.0.mlp.shared_experts.shared_w13_weight"
+    config = mm.build_multimodal_config(families["inkling"], 21)
+    with torch.device("meta"):
+        model = mm._model_class(config)._from_config(config)
+    to_ckpt = model_keys(model, list(original))
+    targets = dict(model.state_dict(keep_vars=True))
+    sources = parameter_sources(model, targets, {n: tuple(original[k].shape) for n, k in to_ckpt.items()})
+    conv = next(c for c in get_model_conversion_mapping(model) if isinstance(c, WeightConverter)
+                and "shared_w13_weight" in c.source_patterns[0])
+    expected = {key: original[key]}
+    for op in conv.operations:  # transformers' own conversion, the reference
+        expected = op.convert(expected, conv.source_patterns, conv.target_patterns)
+    box = ((0, 1), (10, 21), (0, 32))
+    for part, want in zip(conv.target_patterns, expected.values(), strict=True):
+        name = f"model.language_model.layers.0.mlp.shared_experts.{part}"
+        (source,) = sources[name]
+        request = source.request((1, 21, 32), box)
+        local = torch.zeros(1, 11, 32)
+        request.place(original[to_ckpt[source.key]][request.read], local)
+        assert request.read[1].stop - request.read[1].start == 21  # 11 rows, every other one: no more is read
+        assert torch.equal(local, want[:, 10:21]), part
 
 
 def test_multimodal_discovery():
