@@ -12,7 +12,7 @@ Two multimodal families run whole, through the class their checkpoints declare, 
 ERNIE-4.5-VL (hub checkpoint with text and vision experts in one list, vision experts routed for the image
 tokens, the vision MLP split by transformers' plan) and GLM-4.5V (a replicated vision tower whose parameters
 its own code reads, run by ``generate`` outside the forward; video frames as image placeholders). Inkling's full
-class loads, matches and saves back its shared expert's interleaved gate/up tensor (one TP 2 run, text ids).
+class loads, matches and saves back its interleaved gate/up tensors (one TP 2 run, text ids).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def test_multimodal_family(ranks, families, tmp_path, name):
     assert mm.multimodal_passes(result) == (["image", "video"], "", ""), result
 
 
-def _inkling_round_trip(path: str, out: str) -> float:  # on the ranks
+def _inkling_round_trip(path: str, out: str) -> tuple[float, str]:  # on the ranks
     import hf_moe_tp
 
     model = hf_moe_tp.from_pretrained(path)
@@ -96,14 +96,15 @@ def _inkling_round_trip(path: str, out: str) -> float:  # on the ranks
     with torch.no_grad():
         diff = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
     hf_moe_tp.save_pretrained(model, out)
-    return diff
+    return diff, str(model.model.language_model.layers[0].mlp.gate_proj.weight.placements)
 
 
-def test_inkling_shared_expert_interleaved(ranks, families, tmp_path):
-    """Inkling's full class keeps the shared expert's gate and up rows interleaved in one (1, 2I, H) tensor
-    (transformers: ``Interleave`` then ``Chunk``): at TP 2 with I = 21 the logits match transformers' one process
-    and saving writes back the checkpoint transformers wrote, tensor for tensor; a rank's box of rows (11 of 21, as
-    a column-wise shard would hold) reads every other checkpoint row, as transformers' conversion places them."""
+def test_inkling_interleaved_gate_up(ranks, families, tmp_path, monkeypatch):
+    """Inkling's full class keeps gate and up rows interleaved in one tensor (transformers: ``Interleave`` then
+    ``Chunk``): the shared expert's (1, 2I, H) ``shared_w13_weight`` (replicated) and a dense layer's ``w13_dn``
+    (column-wise: each rank reads every other row of its half). At TP 2 with I = 21 the logits match transformers'
+    one process and saving writes back the checkpoint transformers wrote, tensor for tensor; a box of 11 of the
+    shared expert's 21 rows reads every other checkpoint row, as transformers' conversion places them."""
     _cov()
     import coverage_multimodal as mm
     from safetensors.torch import load_file
@@ -112,15 +113,24 @@ def test_inkling_shared_expert_interleaved(ranks, families, tmp_path):
 
     from hf_moe_tp.conversions import model_keys, parameter_sources
 
+    build = mm.build_multimodal_config
+
+    def dense_first(family, expert_hidden: int):
+        config = build(family, expert_hidden)
+        config.text_config.mlp_layer_types = ["dense", "sparse"]
+        return config
+
+    monkeypatch.setattr(mm, "build_multimodal_config", dense_first)
     path, _ = mm.save_multimodal(families["inkling"], tmp_path, expert_hidden=21)
     out = tmp_path / "saved"
-    assert ranks(2).run(_inkling_round_trip, str(path), str(out))[0] <= 2e-5
+    diff, placements = ranks(2).run(_inkling_round_trip, str(path), str(out))[0]
+    assert diff <= 2e-5 and placements == "(Shard(dim=0),)", (diff, placements)
     original, saved = load_file(path / "model.safetensors"), load_file(out / "model.safetensors")
     assert list(saved) == list(original)
     assert [k for k in original if not torch.equal(saved[k], original[k])] == []
 
-    key = "model.llm.layers.0.mlp.shared_experts.shared_w13_weight"
-    config = mm.build_multimodal_config(families["inkling"], 21)
+    key = "model.llm.layers.1.mlp.shared_experts.shared_w13_weight"
+    config = dense_first(families["inkling"], 21)
     with torch.device("meta"):
         model = mm._model_class(config)._from_config(config)
     to_ckpt = model_keys(model, list(original))
@@ -133,7 +143,7 @@ def test_inkling_shared_expert_interleaved(ranks, families, tmp_path):
         expected = op.convert(expected, conv.source_patterns, conv.target_patterns)
     box = ((0, 1), (10, 21), (0, 32))
     for part, want in zip(conv.target_patterns, expected.values(), strict=True):
-        name = f"model.language_model.layers.0.mlp.shared_experts.{part}"
+        name = f"model.language_model.layers.1.mlp.shared_experts.{part}"
         (source,) = sources[name]
         request = source.request((1, 21, 32), box)
         local = torch.zeros(1, 11, 32)
