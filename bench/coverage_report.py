@@ -43,12 +43,7 @@ NOTES = {
 }
 
 # Why a multimodal family's full class still fails in hf_moe_tp (shown after the error in docs/models.md).
-MM_NOTES = {
-    "inkling": "the full class's hub layout keeps the shared expert as one (1, 2I, H) tensor of interleaved gate "
-               "and up rows (shared_w13_weight) and a (1, H, I) shared_w2_weight, which transformers' conversion "
-               "turns into the shared expert's nn.Linear weights; hf_moe_tp.sources.Source cannot drop a "
-               "checkpoint dimension of size 1 yet",
-}
+MM_NOTES: dict[str, str] = {}
 
 
 def _fmt(x: float | None) -> str:
