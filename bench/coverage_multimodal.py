@@ -43,6 +43,9 @@ FAMILY_TOWERS: dict[str, dict[str, dict]] = {
     "llama4": {"vision_config": {"intermediate_size": 128, "projector_input_dim": 32, "vision_output_dim": 32}},
     "aria": {"config": {"projector_patch_to_query_dict": {16: 4}}},  # 16 patches of a 16 x 16 image: 4 queries
     "gemma4": {"vision_config": {"pooling_kernel_size": 2}},
+    # the SAM neck's last channels feed the tower's encoder: its hidden size (896, 1024 in the real configs)
+    "deepseek_ocr2": {"vision_config": {"sam_config": {"downsample_channels": [16, 32]}}},
+    "unlimited_ocr": {"vision_config": {"sam_config": {"downsample_channels": [16, 32]}}},
     "diffusion_gemma": {"vision_config": {"pooling_kernel_size": 2}},
     # four stages, each downsampling by its patch size: one token per 16 * 6 * 5 * 4 samples
     "muse_spark": {"audio_config": {"hidden_sizes": [8, 16, 16, 32], "depths": [1, 1, 1, 1], "num_hidden_layers": 4,
@@ -78,9 +81,9 @@ def multimodal_type(family: Family) -> tuple[str, str] | None:
 def shrink_tower(config, text_hidden: int, overrides: dict):
     """A tiny copy of a vision or audio tower's config (through its constructor, so derived sizes follow)."""
     values = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "transformers_version")}
-    for key in getattr(config, "sub_configs", {}) or {}:  # a tower of towers (DeepSeek-OCR's SAM + encoder)
-        if getattr(config, key, None) is not None:
-            values[key] = shrink_tower(getattr(config, key), text_hidden, overrides.get(key, {})).to_dict()
+    subs = [k for k in getattr(config, "sub_configs", {}) or {} if getattr(config, k, None) is not None]
+    for key in subs:  # a tower of towers (DeepSeek-OCR's SAM + encoder)
+        values[key] = shrink_tower(getattr(config, key), text_hidden, overrides.get(key, {})).to_dict()
     depth = next((values[k] for k in ("depth", "num_hidden_layers", "n_layers", "encoder_layers") if k in values), 0)
     given = {k: v for k, v in TOWER_SIZES.items() if k in values}
     given.update({k: text_hidden for k in TEXT_WIDTH if k in values})
@@ -91,7 +94,7 @@ def shrink_tower(config, text_hidden: int, overrides: dict):
         given["deepstack_visual_indexes"] = [0]
     if values.get("per_layer_config"):  # per-layer overrides of the full depth (Dots3's vision experts)
         given["per_layer_config"] = None
-    given.update(overrides)
+    given.update({k: v for k, v in overrides.items() if k not in subs})  # a sub-tower's: applied above
     return type(config)(**{**values, **given})
 
 

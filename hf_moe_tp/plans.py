@@ -26,8 +26,15 @@ from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
 from .hf_plan import entries, heads_divide, matches
 from .linear import ColumnParallel, RowParallel
-from .styles import LocalParams, NoParallel, TensorParallel, VocabParallelEmbedding, swap_to_local
-from .towers import owning_config, towers
+from .styles import (
+    LocalDuringCall,
+    LocalParams,
+    NoParallel,
+    TensorParallel,
+    VocabParallelEmbedding,
+    swap_to_local,
+)
+from .towers import FEATURE_METHODS, owning_config, towers
 
 # transformers' plan names -> torch styles. Expert entries are ours (TensorParallel on GroupedExperts).
 HF_STYLES = {
@@ -222,6 +229,11 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
         for tower in towers(model).values():
             inside = {id(m) for m in tower.modules()}
             swap_to_local(tower, [(m, n) for m, n in local if id(m) in inside])
+        for module in model.modules():  # and the parameters its feature methods read off their own module
+            names = [n for m, n in local if m is module]
+            for method in FEATURE_METHODS:
+                if names and callable(getattr(type(module), method, None)):
+                    setattr(module, method, LocalDuringCall(module, method, names))
     return model
 
 

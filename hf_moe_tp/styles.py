@@ -308,6 +308,36 @@ def local_during_forward(module: nn.Module, slots: list[tuple[dict, str]],
     module.register_forward_hook(restore, always_call=True)
 
 
+class LocalDuringCall:
+    """``module.<method>`` (set as the instance's attribute) with the module's own DTensor parameters ``names``
+    appearing as their local tensors for the call, put back afterwards: for code outside any forward that reads
+    a module's parameters (a multimodal model's ``get_image_features`` reading its view separator, run by
+    transformers' ``generate`` before the first forward). A deep copy of the module copies this with it."""
+
+    def __init__(self, module: nn.Module, method: str, names: list[str]):
+        self.module, self.method, self.names = module, method, list(names)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # the method's own: transformers' generate picks the inputs it passes by the signature's names
+        return inspect.signature(getattr(type(self.module), self.method).__get__(self.module))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        table = self.module._parameters
+        swapped = []
+        for name in self.names:
+            t = table.get(name)
+            if isinstance(t, DTensor):
+                table[name] = local = t.to_local()
+                swapped.append((name, t, local))
+        try:
+            return getattr(type(self.module), self.method)(self.module, *args, **kwargs)
+        finally:
+            for name, t, local in swapped:
+                if table.get(name) is local:
+                    table[name] = t
+
+
 class _SumOverMesh(torch.autograd.Function):
     """All-reduce (sum) forward; identity backward: every rank's partial rows feed the same whole rows, whose
     gradient (computed alike on every rank) is each part's gradient."""

@@ -7,13 +7,17 @@ transformers' plan entries for a tower come from the tower's own config (``Llama
 ``base_model_tp_plan``, Ernie-VL's vision MLP), so whether its attention heads divide is read from that config,
 not the text model's (:func:`owning_config`). transformers' ``generate`` runs the towers before the first forward
 (``get_image_features`` on the model, outside its ``forward``), so what the forward arranges for replicated
-parameters is arranged on each tower too (:func:`hf_moe_tp.plans.apply_plan`).
+parameters is arranged on each tower too (:func:`hf_moe_tp.plans.apply_plan`), and on the feature methods
+(:data:`FEATURE_METHODS`) for the parameters they read off their own module (DeepSeek-OCR's view separator).
 """
 
 from __future__ import annotations
 
 from torch import nn
 from transformers import PreTrainedModel
+
+# the methods transformers' generate calls to run the towers, outside the model's forward
+FEATURE_METHODS = ("get_image_features", "get_video_features", "get_audio_features")
 
 
 def towers(model: nn.Module) -> dict[str, nn.Module]:

@@ -11,8 +11,10 @@ concatenates into one parameter (kimi_linear, a ``Concatenate`` conversion read 
 Two multimodal families run whole, through the class their checkpoints declare, with an image and a video:
 ERNIE-4.5-VL (hub checkpoint with text and vision experts in one list, vision experts routed for the image
 tokens, the vision MLP split by transformers' plan) and GLM-4.5V (a replicated vision tower whose parameters
-its own code reads, run by ``generate`` outside the forward; video frames as image placeholders). Inkling's full
-class loads, matches and saves back its interleaved gate/up tensors (one TP 2 run, text ids).
+its own code reads, run by ``generate`` outside the forward; video frames as image placeholders); and, with an
+image, Unlimited-OCR (a SAM + CLIP tower, and a view separator its ``get_image_features`` reads, outside the
+forward under ``generate``). Inkling's full class loads, matches and saves back its interleaved gate/up tensors
+(one TP 2 run, text ids).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBSET = ["aria", "minimax_m3_vl", "flex_olmo", "deepseek_v2", "qwen3_vl_moe", "kimi_linear"]
-MULTIMODAL = ["ernie4_5_vl_moe", "glm4v_moe"]
+MULTIMODAL = {"ernie4_5_vl_moe": ["image", "video"], "glm4v_moe": ["image", "video"], "unlimited_ocr": ["image"]}
 
 
 def _cov():
@@ -55,7 +57,7 @@ def _multimodal(path: str, inputs: str, full: bool = True) -> dict:  # on the ra
 
 @pytest.fixture(scope="module")
 def families():
-    return {f.name: f for f in _cov().discover() if f.name in SUBSET + MULTIMODAL + ["inkling"]}
+    return {f.name: f for f in _cov().discover() if f.name in [*SUBSET, *MULTIMODAL, "inkling"]}
 
 
 @pytest.mark.parametrize("name", SUBSET)
@@ -72,19 +74,19 @@ def test_family_subset(ranks, families, tmp_path, name):
 
 @pytest.mark.parametrize("name", MULTIMODAL)
 def test_multimodal_family(ranks, families, tmp_path, name):
-    """The full class at TP=2 with an image and a video: features, logits, greedy generate, SGD step; and the odd
-    expert width."""
+    """The full class at TP=2 with an image (and a video where it takes one): features, logits, greedy generate,
+    SGD step; and the odd expert width."""
     _cov()
     import coverage_multimodal as mm
 
     path, inputs = mm.save_multimodal(families[name], tmp_path, expert_hidden=24)
     result = ranks(2).run(_multimodal, str(path), str(inputs))[0]
     assert result["class"] == mm.multimodal_type(families[name])[1]
-    assert mm.multimodal_passes(result) == (["image", "video"], "", ""), result
+    assert mm.multimodal_passes(result) == (MULTIMODAL[name], "", ""), result
     assert result["tokens_equal"] and result["step_effect"] > 0.1, result  # generate ran; the step moved logits
     path, inputs = mm.save_multimodal(families[name], tmp_path, expert_hidden=21)
     result = ranks(2).run(_multimodal, str(path), str(inputs), False)[0]
-    assert mm.multimodal_passes(result) == (["image", "video"], "", ""), result
+    assert mm.multimodal_passes(result) == (MULTIMODAL[name], "", ""), result
 
 
 def _inkling_round_trip(path: str, out: str) -> tuple[float, str]:  # on the ranks
@@ -185,4 +187,4 @@ def test_full_matrix(tmp_path):
     unexplained = {r["family"]: r["mm_reason"] for r in multimodal if r["mm_reason"] and r["family"] not in
                    _cov().MM_NOTES}  # hf_moe_tp failing a full class: only the known, explained gaps
     assert not unexplained, unexplained
-    assert sum(bool(r["mm_verified"]) for r in multimodal) >= 17  # with images, as docs/models.md (5.24) reports
+    assert sum(bool(r["mm_verified"]) for r in multimodal) >= 19  # with images, as docs/models.md (5.24) reports
