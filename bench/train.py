@@ -248,14 +248,6 @@ def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int, l
     return out
 
 
-def importable_bench_rank():
-    """``bench_rank`` as this file's module (bench/ is on the path), so the ranks import it by name: sent by
-    value from ``__main__``, cloudpickle trips over ``torch.distributed.config`` (not a picklable module)."""
-    import train
-
-    return train.bench_rank
-
-
 def relative(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
@@ -285,7 +277,7 @@ def main() -> None:
     native = NATIVE_LORA if args.lora else NATIVE
     repeats = args.repeats
     for dtype in args.dtypes:
-        ranks = run_on_ranks(importable_bench_rank(), WORLD, str(path), dtype, args.batch, args.seq, args.repeats,
+        ranks = run_on_ranks(bench_rank, WORLD, str(path), dtype, args.batch, args.seq, args.repeats,
                              args.loss_parallel, args.lora, timeout=3600)
         results = {name: r for name, r in ranks[0].items() if name != "vm_hwm_mib"}  # rank 0 speaks for timing
         peak = {name: max(r[name]["peak_mib"] for r in ranks) for name in results}

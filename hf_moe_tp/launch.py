@@ -11,6 +11,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -62,7 +63,7 @@ class RankPool:
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order or raise ``RankError``."""
-        payload = cloudpickle.dumps((fn, args, kwargs))  # by value where pickle would name an unimportable one
+        payload = _dumps((fn, args, kwargs))
         self._start()
         self._task_id += 1
         for q in self._tasks:
@@ -154,6 +155,19 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _dumps(call: tuple) -> bytes:
+    """Pickle a call for the ranks. A script's own functions go by name: the spawned ranks import the script
+    as their ``__main__``, and by value cloudpickle would also send every global they use, some of which do
+    not pickle (torch's config modules). Functions of a notebook or of ``python -c`` (no file to import),
+    and lambdas, go by value with cloudpickle."""
+    if getattr(sys.modules.get("__main__"), "__file__", None):
+        try:
+            return pickle.dumps(call)
+        except (pickle.PicklingError, AttributeError, TypeError):
+            pass
+    return cloudpickle.dumps(call)
 
 
 def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, threads: int, timeout: float) -> None:

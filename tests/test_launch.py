@@ -48,3 +48,36 @@ def test_hang_times_out():
         with pytest.raises(RankError, match="did not finish within 3 s"):
             pool.run(time.sleep, 30, timeout=3)
         assert time.monotonic() - start < 15
+
+
+SCRIPT = '''
+import threading
+
+import torch.distributed as dist
+
+from hf_moe_tp.launch import run_on_ranks
+
+LOCK = threading.Lock()  # a global that does not pickle: by value, cloudpickle would have to send it
+
+
+def rank_of():
+    with LOCK:
+        return dist.get_rank()
+
+
+if __name__ == "__main__":
+    print(run_on_ranks(rank_of, 2, timeout=120), run_on_ranks(lambda: dist.get_world_size(), 2, timeout=120))
+'''
+
+
+def test_a_scripts_functions_go_by_name(tmp_path):
+    """A script's own function reaches the ranks by name (they import the script), whatever globals it uses;
+    a lambda still goes by value."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "bench_like.py"
+    script.write_text(SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[0, 1] [2, 2]"
