@@ -106,14 +106,19 @@ def measure(load) -> dict:
     }
 
 
-def load_hf_moe_tp(path: str) -> dict:
+def load_hf_moe_tp(path: str, **kwargs) -> dict:
     import hf_moe_tp
 
     def load():
-        model = hf_moe_tp.from_pretrained(path)
+        model = hf_moe_tp.from_pretrained(path, **kwargs)
         return model, sum(p.to_local().numel() * p.element_size() for p in model.parameters())
 
     return measure(load)
+
+
+def load_hf_moe_tp_column_major(path: str) -> dict:
+    """Experts stored (out, in) as the file has them: no transposing copy, but FSDP2 refuses the layout."""
+    return load_hf_moe_tp(path, experts_column_major=True)
 
 
 def load_transformers(path: str) -> dict:
@@ -222,6 +227,7 @@ def load_transformers_fp8(path: str) -> dict:
 
 LOADERS = {
     "hf_moe_tp": load_hf_moe_tp,
+    "hf_moe_tp experts_column_major=True": load_hf_moe_tp_column_major,
     "transformers tp_plan=auto": load_transformers,
     "torch DCP (HF reader)": load_dcp,
     "copy floor (no model)": load_floor,

@@ -26,7 +26,10 @@ On CPU processes accelerate refuses any ``ParallelismConfig``: :mod:`hf_moe_tp.a
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from .meshes import Layout
 
+TRAINER_MODULE = "transformers.trainer"
 STATE_DIR = "hf_moe_tp_state"  # the DCP checkpoint inside a Trainer checkpoint folder
 
 _installed = False
@@ -114,11 +118,43 @@ def _state_folder(checkpoint: str | os.PathLike) -> str:
 
 
 def _install() -> None:
-    """Patch the Trainer's checkpoint methods (module docstring), once."""
+    """Patch the Trainer's methods (module docstring) once: now if ``transformers.trainer`` is imported, else as
+    soon as it is. Importing it here would cost every load about a second (it pulls in PEFT, datasets and pandas
+    where installed) for a Trainer most loads never build."""
     global _installed
     if _installed:
         return
     _installed = True
+    if TRAINER_MODULE in sys.modules:
+        _patch_trainer()
+    else:
+        sys.meta_path.insert(0, _AfterImport(TRAINER_MODULE, _patch_trainer))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``then()`` right after module ``name`` is first executed (and leaves ``sys.meta_path``)."""
+
+    def __init__(self, name: str, then: Callable[[], None]) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, then = spec.loader.exec_module, self.then
+
+        def exec_then_patch(module: Any) -> None:
+            exec_module(module)
+            then()
+
+        spec.loader.exec_module = exec_then_patch
+        return spec
+
+
+def _patch_trainer() -> None:
     from transformers import Trainer, TrainingArguments
 
     def patch(name: str, ours, model_of=lambda self, *args, **kwargs: self.model) -> None:

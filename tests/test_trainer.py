@@ -346,3 +346,27 @@ def test_lora_with_the_trainer(ranks, mixtral, tmp_path, trainer):
         assert len(r["loss"]) == 4, r
         assert np.allclose(r["loss"], ref["loss"], rtol=0, atol=TOL), (r, ref)
         assert np.allclose(r["grad_norm"], ref["grad_norm"], rtol=0, atol=TOL), (r, ref)
+
+
+LAZY = '''
+import sys
+import hf_moe_tp
+from hf_moe_tp.demo import demo_checkpoint
+
+model = hf_moe_tp.from_pretrained(demo_checkpoint())
+loaded = "transformers.trainer" in sys.modules
+from transformers import Trainer
+print(loaded, hasattr(Trainer.__init__, "hf_moe_tp_original"), hasattr(Trainer.evaluation_loop, "hf_moe_tp_original"))
+'''
+
+
+def test_loading_leaves_the_trainer_unimported(tmp_path):
+    """Loading does not import transformers' Trainer (about a second of imports: PEFT, datasets, pandas), and a
+    Trainer imported afterwards is patched all the same."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_MOE_TP_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", LAZY], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True", "True"]
