@@ -287,25 +287,34 @@ def local_during_forward(module: nn.Module, slots: list[tuple[dict, str]],
         return hit[1]
 
     def use_local(mod: nn.Module, args: tuple) -> None:
-        swapped = []
-        for table, name in tables(mod):
-            t = table.get(name)
-            if isinstance(t, DTensor):
-                table[name] = local = to_local(t)
-                swapped.append((table, name, t, local))
-        saved.append(swapped)
+        saved.append(_swap_in(tables(mod), to_local))
 
     def restore(mod: nn.Module, args: tuple, out: Any) -> None:
-        if not saved:  # an earlier pre-hook raised before use_local ran: nothing was swapped
-            return
-        for table, name, t, local in saved.pop():
-            # a slot someone else filled meanwhile keeps it: FSDP2 registers a layer's unsharded parameters in
-            # its forward and leaves them there when it does not reshard after forward
-            if table.get(name) is local:
-                table[name] = t
+        if saved:  # else an earlier pre-hook raised before use_local ran: nothing was swapped
+            _swap_back(saved.pop())
 
     module.register_forward_pre_hook(use_local)
     module.register_forward_hook(restore, always_call=True)
+
+
+def _swap_in(slots: list[tuple[dict, str]], to_local: Callable[[DTensor], torch.Tensor]
+             ) -> list[tuple[dict, str, DTensor, torch.Tensor]]:
+    """Put ``to_local(t)`` in every slot holding a DTensor ``t``; what :func:`_swap_back` needs to undo it."""
+    swapped = []
+    for table, name in slots:
+        t = table.get(name)
+        if isinstance(t, DTensor):
+            table[name] = local = to_local(t)
+            swapped.append((table, name, t, local))
+    return swapped
+
+
+def _swap_back(swapped: list[tuple[dict, str, DTensor, torch.Tensor]]) -> None:
+    for table, name, t, local in swapped:
+        # a slot someone else filled meanwhile keeps it: FSDP2 registers a layer's unsharded parameters in
+        # its forward and leaves them there when it does not reshard after forward
+        if table.get(name) is local:
+            table[name] = t
 
 
 class LocalDuringCall:
@@ -323,19 +332,11 @@ class LocalDuringCall:
         return inspect.signature(getattr(type(self.module), self.method).__get__(self.module))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        table = self.module._parameters
-        swapped = []
-        for name in self.names:
-            t = table.get(name)
-            if isinstance(t, DTensor):
-                table[name] = local = t.to_local()
-                swapped.append((name, t, local))
+        swapped = _swap_in([(self.module._parameters, name) for name in self.names], DTensor.to_local)
         try:
             return getattr(type(self.module), self.method)(self.module, *args, **kwargs)
         finally:
-            for name, t, local in swapped:
-                if table.get(name) is local:
-                    table[name] = t
+            _swap_back(swapped)
 
 
 class _SumOverMesh(torch.autograd.Function):
