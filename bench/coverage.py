@@ -148,10 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
     print(f"{sum(r.ours == 'pass' for r in results)}/{len(results)} pass (ours), "
           f"{sum(r.native == 'pass' for r in results)} native, {seconds:.0f} s")
-    if args.loss_parallel:
-        split = [r.family for r in results if r.split_loss]
-        print(f"loss from split logits in {len(split)} families; transformers' loss (lm_head not split) in "
-              f"{', '.join(r.family for r in results if not r.split_loss) or 'none'}")
+    split = [r.family for r in results if r.split_loss]
+    print(f"loss from split logits in {len(split)} families; transformers' loss (lm_head not split) in "
+          f"{', '.join(r.family for r in results if not r.split_loss) or 'none'}")
     return 0
 
 

@@ -74,11 +74,7 @@ def run_ours(path: str, kind: str, full: bool = True, loss_parallel: bool = Fals
         ref_out = _output(ref, ids, kind)
         diff = (_full(_output(model, ids, kind)) - ref_out).abs().max().item()
     out = {"diff": diff, "sharded": sharded, "grouped": len(experts), "adapter": adapter_for(model).name}
-    if loss_parallel:
-        from torch.distributed.tensor.parallel import ColwiseParallel
-
-        out["split_loss"] = any(isinstance(style, ColwiseParallel) and not style.use_local_output
-                                for style in model.hf_moe_tp_plan.values())
+    out["split_loss"] = bool(getattr(model, "hf_moe_tp_split_loss", False))
     if not full:
         return out
     if kind == "causal_lm":

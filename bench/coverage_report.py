@@ -20,7 +20,7 @@ class Result:
     diff: float | None = None
     uneven_diff: float | None = None
     ours_reason: str = ""
-    split_loss: bool | None = None  # with --loss-parallel: the loss came from logits split over the vocabulary
+    split_loss: bool | None = None  # the loss came from logits split over the vocabulary
     native: str = "-"
     native_sharded: bool | None = None
     native_diff: float | None = None

@@ -53,7 +53,7 @@ class ColumnParallel(ColwiseParallel):
 
         module.register_forward_pre_hook(whole_input)
         if gather:
-            module.register_forward_hook(lambda mod, args, out: _gather_features(out, device_mesh))
+            module.register_forward_hook(lambda mod, args, out: _gather_or_keep_split(mod, out, device_mesh))
         return module
 
 
@@ -98,6 +98,17 @@ def _local(x: torch.Tensor, mesh: DeviceMesh, layout: Shard | Replicate) -> torc
     """A plain input as it is (the layout the layer expects); a DTensor one (from a style that returns DTensors)
     in that layout, as its local tensor."""
     return x.redistribute(mesh, (layout,)).to_local() if isinstance(x, DTensor) else x
+
+
+# Set on a gathering ColumnParallel module (the output projection, by hf_moe_tp.loss) while its output is to
+# stay split: a DTensor Shard(-1), for the loss computed from split logits.
+KEEP_SPLIT = "hf_moe_tp_keep_split"
+
+
+def _gather_or_keep_split(module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    if getattr(module, KEEP_SPLIT, False):
+        return DTensor.from_local(out, mesh, (Shard(-1),), run_check=False)
+    return _gather_features(out, mesh)
 
 
 def _gather_features(out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

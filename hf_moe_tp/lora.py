@@ -87,7 +87,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .linear import ColumnParallel, RowParallel
+from .linear import KEEP_SPLIT, ColumnParallel, RowParallel
 from .saving import SaveError
 from .styles import LocalParams, MlaKvAProj, NoParallel, _SumGradOverMesh, _SumOverMesh, local_during_forward
 
@@ -614,8 +614,11 @@ class _Placement:
             _compute_locally(b, self.to_local(sum_tp=False))
             layout, local = style.output_layouts[0], style.use_local_output
             if layout != Shard(-1) or not local:  # the base layer's output form: gathered, or a DTensor
-                mesh = self.tp_mesh
-                b.register_forward_hook(lambda m, args, out: _as_output(out, mesh, layout, local))
+                mesh, base = self.tp_mesh, layer.get_base_layer()
+                # a gathering lm_head keeps its logits split for the loss (hf_moe_tp.loss): so does the adapter
+                b.register_forward_hook(lambda m, args, out: _as_output(
+                    out, mesh, Shard(-1) if getattr(base, KEEP_SPLIT, False) else layout,
+                    local and not getattr(base, KEEP_SPLIT, False)))
         elif self.kind == "rowwise":
             _compute_locally(a, self.to_local(sum_tp=False))
             if style.input_layouts[0] == Replicate():  # the base slices the input itself: so does lora_A

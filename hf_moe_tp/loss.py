@@ -7,21 +7,26 @@ of exponentials and the target's logit (zero unless the target falls in this ran
 all-reduces of (tokens,) values. The backward needs no communication: the gradient of a rank's logits is
 ``softmax - one_hot(target)`` over its own slice (Megatron-LM's ``vocab_parallel_cross_entropy``).
 
-:func:`causal_lm_loss` has the signature of transformers' ``ForCausalLMLoss``; set as a model's
-``loss_function`` (``from_pretrained(..., loss_parallel=True)`` does) it takes the logits as a DTensor split
-over the vocabulary, as ``ColwiseParallel(use_local_output=False)`` returns them, and falls back to
-transformers' loss for anything else. :func:`gather_logits_unless_training` makes the model gather them as
-usual except in a training-mode forward with a loss (so inference, ``generate`` and evaluation see whole
-logits).
+This is how every model from ``from_pretrained`` with a split output projection computes the causal-LM loss
+(:func:`split_loss`): a forward with ``labels`` keeps the projection's output split, the loss function
+(:func:`causal_lm_loss`, the signature of transformers' ``ForCausalLMLoss``) takes it as a DTensor, and the
+outputs carry the logits gathered (a plain tensor) as before. The gather is one all-gather of the logits in
+forward; the whole-vocabulary log-softmax on every rank, its memory and its backward are what is saved
+(bench/train.py). With ``loss_parallel=True`` a training-mode forward with labels skips the gather too: its
+logits stay a DTensor split over the vocabulary (``.full_tensor()`` gathers them).
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers.loss.loss_utils import ForCausalLMLoss
+
+from .linear import KEEP_SPLIT, ColumnParallel
 
 
 def causal_lm_loss(
@@ -37,6 +42,8 @@ def causal_lm_loss(
     1-D mesh: the mean (or, with ``num_items_in_batch``, the sum divided by it) of the next-token
     cross-entropy, the same number on every rank. Other logits go to transformers' own loss."""
     if not _vocab_sharded(logits):
+        if isinstance(logits, DTensor):  # split, then made whole by the model's own ops (a vocabulary slice)
+            logits = logits.full_tensor()
         return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                                ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
     if shift_labels is None:  # tokens < n predict n, as transformers shifts
@@ -55,20 +62,39 @@ def causal_lm_loss(
     return losses.sum() / num_items_in_batch
 
 
-def gather_logits_unless_training(model: nn.Module) -> None:
-    """Have ``model``'s outputs carry whole logits (a plain tensor, as without the vocabulary-parallel loss)
-    except in a training-mode forward that computed a loss: there the logits stay split (``.full_tensor()``
-    gathers them). Inference, ``generate`` and evaluation with labels (HF Trainer's ``prediction_step``, which
-    hands the logits to ``compute_metrics``) get whole logits."""
-    model.register_forward_hook(_gather_unless_training)
+def split_loss(model: nn.Module, plan: dict, keep_split_in_training: bool = False) -> bool:
+    """Have ``model``'s forwards with ``labels`` take the loss from logits split over the vocabulary, where its
+    output projection is a gathering :class:`~hf_moe_tp.linear.ColumnParallel` (``plan``'s entry) and its loss
+    is transformers' causal-LM one; returns whether it does. The outputs' logits are gathered, except with
+    ``keep_split_in_training`` in a training-mode forward that computed a loss (``loss_parallel=True``)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    style = next((plan.get(n) for n, m in model.named_modules() if m is head), None) if head is not None else None
+    if not (isinstance(style, ColumnParallel) and style.output_layouts[0] == Replicate()
+            and style.computes_locally(head) and getattr(model, "loss_function", None) is ForCausalLMLoss):
+        return False
+    params = list(inspect.signature(model.forward).parameters)
+    if "labels" not in params:
+        return False
+    position = params.index("labels")
 
+    def keep_split_with_labels(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        labels = kwargs["labels"] if "labels" in kwargs else (args[position] if len(args) > position else None)
+        setattr(head, KEEP_SPLIT, labels is not None)
 
-def _gather_unless_training(module: nn.Module, args: tuple, output):
-    logits = getattr(output, "logits", None)
-    training_loss = module.training and getattr(output, "loss", None) is not None
-    if not training_loss and _vocab_sharded(logits):
-        output.logits = logits.full_tensor()
-    return output
+    def gather(module: nn.Module, args: tuple, kwargs: dict, output):
+        setattr(head, KEEP_SPLIT, False)
+        if isinstance(output, tuple):  # return_dict=False
+            return tuple(x.full_tensor() if isinstance(x, DTensor) else x for x in output)
+        logits = getattr(output, "logits", None)
+        stay = keep_split_in_training and module.training and getattr(output, "loss", None) is not None
+        if isinstance(logits, DTensor) and not stay:
+            output.logits = logits.full_tensor()
+        return output
+
+    model.loss_function = causal_lm_loss
+    model.register_forward_pre_hook(keep_split_with_labels, with_kwargs=True)
+    model.register_forward_hook(gather, with_kwargs=True, always_call=True)
+    return True
 
 
 def _vocab_sharded(logits: torch.Tensor) -> bool:

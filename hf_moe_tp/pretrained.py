@@ -21,7 +21,7 @@ from .fsdp import shard_data_parallel
 from .hf_arguments import refuse, resolve
 from .input_check import check_inputs_on, check_mode
 from .loading import load_checkpoint
-from .loss import causal_lm_loss, gather_logits_unless_training
+from .loss import split_loss
 from .meshes import init_process_group, mesh_device, resolve_layout
 from .randomness import generate_on_leader_state, same_draws_in_training
 from .saving import bind_save_pretrained
@@ -70,10 +70,11 @@ def from_pretrained(
     the latter too. ``tp_plan`` entries set to ``ExpertParallel`` select EP with the plan form. ``ep_dispatch``
     (``"auto"``, ``"all_to_all"``, ``"all_reduce"``) sets :class:`ExpertParallel`'s ``dispatch`` for them all.
 
-    ``loss_parallel``: the training loss from logits split over the vocabulary (:mod:`hf_moe_tp.loss`), never
-    gathered. In a training-mode forward with ``labels`` the outputs' ``logits`` are then a DTensor split over
-    the vocabulary (``.full_tensor()`` for the whole); otherwise (inference, ``generate``, evaluation with
-    labels) they are gathered as usual.
+    The loss of a forward with ``labels`` comes from logits split over the vocabulary where ``lm_head`` is
+    split (:mod:`hf_moe_tp.loss`); the outputs' ``logits`` are gathered all the same. ``loss_parallel``: in a
+    training-mode forward with ``labels`` they are not: they stay a DTensor split over the vocabulary
+    (``.full_tensor()`` for the whole), saving the all-gather; otherwise (inference, ``generate``, evaluation
+    with labels) they are gathered as usual.
 
     Data parallelism with FSDP2 (:mod:`hf_moe_tp.fsdp`, each decoder layer and the root ``fully_shard``-ed):
     a ``device_mesh`` with a ``"dp_shard"`` (or ``"dp"``, ``"fsdp"``) dimension beside ``"tp"``, and for HSDP a
@@ -152,8 +153,7 @@ def from_pretrained(
         model = plans.meta_model(config, model_class, dtype, experts_column_major=experts_column_major,
                                  attn_implementation=args.attn_implementation)
         _buffers_to(model, mesh_device(mesh))  # the loader allocates parameters where the buffers are
-        plan = _plan(model, tp_plan, mesh, ep_size=ep_size or (ep_mesh["ep"].size() if ep_mesh else None),
-                     loss_parallel=loss_parallel)
+        plan = _plan(model, tp_plan, mesh, ep_size=ep_size or (ep_mesh["ep"].size() if ep_mesh else None))
         if ep_dispatch is not None:
             plan = {n: ExpertParallel(input_layout=s.input_layout, dispatch=ep_dispatch)
                     if isinstance(s, ExpertParallel) else s for n, s in plan.items()}
@@ -167,9 +167,7 @@ def from_pretrained(
         if hasattr(model, "generate"):  # so do sampled tokens
             generate_on_leader_state(model, mesh)
         model.hf_moe_tp_plan = plan
-        if loss_parallel:
-            model.loss_function = causal_lm_loss
-            gather_logits_unless_training(model)
+        model.hf_moe_tp_split_loss = split_loss(model, plan, keep_split_in_training=loss_parallel)
         model.hf_moe_tp_load = load_checkpoint(model, path, threads=threads, record_reads=record_reads,
                                                strict=args.strict)
         if args.generation_config is not None:
@@ -211,10 +209,9 @@ def agree(error: BaseException | None) -> None:
         raise LoadError(failures) from error
 
 
-def _plan(model: nn.Module, plan, mesh: DeviceMesh, ep_size: int | None = None, loss_parallel: bool = False
-          ) -> dict[str, ParallelStyle]:
+def _plan(model: nn.Module, plan, mesh: DeviceMesh, ep_size: int | None = None) -> dict[str, ParallelStyle]:
     if plan == "auto":
-        return plans.tp_plan(model, mesh.size(), ep_size=ep_size, loss_parallel=loss_parallel)
+        return plans.tp_plan(model, mesh.size(), ep_size=ep_size)
     if plan is None:  # nothing split; with ep_size, expert parallelism alone
         if ep_size and ep_size > 1:
             return {n: ExpertParallel() for n, m in model.named_modules() if isinstance(m, GroupedExperts)}

@@ -34,8 +34,9 @@ CASES = {
     # with the q/k/v biases trained too (bias="lora_only"), and a trained copy of lm_head (split by vocabulary)
     # the model declaring transformers' TP layout (_device_mesh, _tp_size, config.distributed_config), as for
     # transformers' Trainer: PEFT's own TP path sees 'colwise'/'rowwise' for q/o_proj and is kept off
+    # and an adapter on lm_head, whose logits stay split for the loss and whose adapter output does too
     "mixtral-tp2-declared": ("mixtral", 2, dict(declare_transformers_tp=True),
-                             dict(target_modules=ATTENTION, init_lora_weights=False)),
+                             dict(target_modules=ATTENTION + ["lm_head"], init_lora_weights=False)),
     "qwen2_moe-tp2": ("qwen2_moe", 2, {}, dict(target_modules=QWEN2_MOE, init_lora_weights=False, lora_dropout=0.1,
                                                bias="lora_only", modules_to_save=["lm_head"])),
     "llama4-tp2": ("llama4", 2, {}, dict(target_modules=LLAMA4, init_lora_weights=False, lora_dropout=0.1)),

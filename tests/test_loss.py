@@ -56,16 +56,18 @@ def test_bf16_logits(ranks):
         assert loss_diff <= 1e-5 and grad_diff <= 2**-8 * scale, (loss_diff, grad_diff, scale)
 
 
-def _model_step(path: str):
-    """from_pretrained(loss_parallel=True) against transformers: loss, logits, one SGD step."""
-    model = hf_moe_tp.from_pretrained(path, loss_parallel=True)
+def _model_step(path: str, loss_parallel: bool):
+    """from_pretrained against transformers: loss, logits, one SGD step; which logits the loss function saw."""
+    model = hf_moe_tp.from_pretrained(path, loss_parallel=loss_parallel)
     ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+    seen, loss_function = [], model.loss_function
+    model.loss_function = lambda logits, *a, **k: seen.append(logits) or loss_function(logits, *a, **k)
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     model.train()
     ref.train()
     out, ref_out = model(ids, labels=ids), ref(ids, labels=ids)
     logits = out.logits
-    local_vocab = logits.to_local().shape[-1] if isinstance(logits, DTensor) else None
+    local_vocab = seen[0].to_local().shape[-1] if isinstance(seen[0], DTensor) else None
     out.loss.backward()
     ref_out.loss.backward()
     for m in (model, ref):
@@ -76,31 +78,41 @@ def _model_step(path: str):
         after, ref_after = model(ids).logits, ref(ids).logits  # no loss: gathered, a plain tensor
         evaluated = model(ids, labels=ids)  # evaluation with labels (HF Trainer): whole logits, the same loss
         ref_evaluated = ref(ids, labels=ids)
+        as_tuple = model(ids, labels=ids, return_dict=False)
     tokens = model.generate(ids[:1], max_new_tokens=8, do_sample=False)
     ref_tokens = ref.generate(ids[:1], max_new_tokens=8, do_sample=False)
     return {
         "plain_without_loss": not isinstance(after, DTensor),
         "plain_in_eval": not isinstance(evaluated.logits, DTensor),
+        "plain_tuple": not any(isinstance(x, DTensor) for x in as_tuple),
         "eval_diff": max((evaluated.logits - ref_evaluated.logits).abs().max().item(),
                          abs(evaluated.loss.item() - ref_evaluated.loss.item())),
         "tokens_equal": torch.equal(tokens, ref_tokens),
         "sharded": isinstance(logits, DTensor) and logits.placements == (Shard(2),),
+        "loss_saw_split": all(isinstance(x, DTensor) and x.placements == (Shard(2),) for x in seen) and len(seen) == 3,
         "local_vocab": local_vocab,
         "loss": abs(out.loss.item() - ref_out.loss.item()),
-        "logits": (logits.full_tensor() - ref_out.logits).abs().max().item(),
+        "logits": (_whole(logits) - ref_out.logits).abs().max().item(),
         "after_step": (after - ref_after).abs().max().item(),
     }
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_from_pretrained_loss_parallel(ranks, tmp_path, world):
-    """Training with labels: the logits stay split over the vocabulary (a quarter or half per rank); loss,
-    logits and logits after one SGD step match transformers within 2e-5. Without labels, and in eval mode with
-    labels, the logits are gathered (a plain tensor), and greedy generation gives transformers' tokens."""
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@pytest.mark.parametrize(("world", "loss_parallel"), [(2, False), (4, True)])
+def test_from_pretrained_loss(ranks, tmp_path, world, loss_parallel):
+    """Every forward with labels takes its loss from the logits split over the vocabulary (a half or a quarter
+    per rank), in training and in evaluation; loss, logits and logits after one SGD step match transformers
+    within 2e-5. The outputs' logits are gathered (a plain tensor, also with ``return_dict=False``), except in
+    a training-mode forward with ``loss_parallel=True``: there they stay split. Without labels greedy
+    generation gives transformers' tokens."""
     path = save_family("mixtral", tmp_path)
-    for r in ranks(world).run(_model_step, str(path)):
-        assert r["sharded"] and r["local_vocab"] * world == 128, r
-        assert r["plain_without_loss"] and r["tokens_equal"], r
+    for r in ranks(world).run(_model_step, str(path), loss_parallel):
+        assert r["loss_saw_split"] and r["local_vocab"] * world == 128, r
+        assert r["sharded"] == loss_parallel, r
+        assert r["plain_without_loss"] and r["plain_tuple"] and r["tokens_equal"], r
         assert r["plain_in_eval"] and r["eval_diff"] <= 2e-5, r
         assert r["loss"] <= 2e-5 and r["logits"] <= 2e-5 and r["after_step"] <= 2e-5, r
 
