@@ -1,7 +1,8 @@
 """FSDP2 over the data-parallel dimensions of a tensor-parallel model: torchtitan's recipe on our layouts.
 
 ``fully_shard`` goes on every decoder layer, the input embedding and the output projection (each its own unit;
-the last layer and the output projection kept gathered from forward to backward, which needs them first), then
+the last layer and the output projection kept gathered from forward to backward, which needs them first; the
+input embedding not gathered again for backward, which does not read it), then
 on the root (final norm and the rest), over the
 data-parallel mesh: one dimension (FSDP) or two (``dp_replicate``, ``dp_shard``: HSDP). The parameters are
 already DTensors on the tensor-parallel mesh, so FSDP2 makes them DTensors on the parent mesh (data-parallel
@@ -67,6 +68,8 @@ def shard_data_parallel(
     for module, reshard in _embedding_units(model):
         fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard and reshard_after_forward,
                     ignored_params=ignored or None, **kwargs)
+        if reshard and _lookup_only(module):
+            module.set_unshard_in_backward(False)  # a lookup's gradient needs the indices, not the table
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None,
                 **kwargs)
     model._is_fsdp_managed_module = True  # transformers' generate then keeps the data-parallel ranks in step
@@ -85,6 +88,12 @@ def _embedding_units(model: nn.Module) -> list[tuple[nn.Module, bool]]:
     if len(units) == 2 and any(p is q for p in inputs.parameters() for q in outputs.parameters()):
         return []
     return units
+
+
+def _lookup_only(module: nn.Module) -> bool:
+    """An embedding whose one parameter is its table: its backward scatters the output's gradient by index and
+    never reads the table, so FSDP2 need not gather it again for backward."""
+    return isinstance(module, nn.Embedding) and list(module.parameters()) == [module.weight]
 
 
 def _expert_params_over_batches(model: nn.Module, dp_mesh: DeviceMesh) -> set[nn.Parameter]:
