@@ -4,9 +4,9 @@ inference forward and a training step, fp32 and bf16, tokens per second, and col
     python bench/forward.py [--batch 4] [--seq 512] [--repeats 5] [--tp 2] [--layer-only]
 
 A third row, ``hf_moe_tp loss_parallel``, is the training step with ``from_pretrained(loss_parallel=True)``:
-the loss from logits split over the vocabulary, never gathered (its inference column is left out: without a
-loss it gathers the logits and runs hf_moe_tp's forward). Its collectives are counted on a training-mode
-forward with labels.
+the logits split over the vocabulary are never gathered (``hf_moe_tp`` takes its loss from them too, then
+gathers them for its outputs); its inference column is left out: without a loss it is hf_moe_tp's forward.
+Its collectives are counted on a training-mode forward with labels.
 
 All variants load the same files (bench/load.py makes them) into the same ranks and are timed in rotation;
 each figure is the median of ``--repeats`` runs after one warm-up round; collectives are counted on one

@@ -11,8 +11,9 @@ and then timed in rotation:
 - ``hf_moe_tp``: ``hf_moe_tp.from_pretrained(path, fsdp_size=2)``: TP=2 inside each of 2 data-parallel
   replicas, FSDP2 on every decoder layer and the root; the data-parallel coordinate is that of
   ``model.hf_moe_tp_dp_mesh``;
-- with ``--loss-parallel``, ``hf_moe_tp loss_parallel``: the same with ``loss_parallel=True`` (the loss from
-  logits split over the vocabulary, never gathered);
+- with ``--loss-parallel``, ``hf_moe_tp loss_parallel``: the same with ``loss_parallel=True`` (the training
+  logits returned split over the vocabulary, never gathered; both rows take the loss from the split logits,
+  the first then gathers them for its outputs);
 - ``transformers fsdp2 x tp2``: ``AutoModelForCausalLM.from_pretrained(path,
   distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))`` with hf_moe_tp not installed: transformers' own
   TP styles and experts (``grouped_mm``), its own ``fully_shard`` plan. Its mesh is ``model._mesh_manager``, a
