@@ -129,9 +129,11 @@ def write_markdown(results: list[Result], path: Path, seconds: float) -> None:
     lines += ["", "## Why hf_moe_tp fails", ""]
     lines += [f"- **{r.family}**: {r.ours_reason}" + (f" ({NOTES[r.family]})" if r.family in NOTES else "")
               for r in failing] or ["None."]
-    nfail = [r for r in results if r.native != "pass"]
+    nfail = [r for r in results if r.native not in ("pass", "-")]  # "-": not run (--no-native)
     lines += ["", "## Why transformers' native TP fails", ""]
-    lines += [f"- **{r.family}**: {r.native_reason or r.ours_reason}" for r in nfail] or ["None."]
+    ran = any(r.native != "-" for r in results)
+    lines += [f"- **{r.family}**: {r.native_reason or r.ours_reason}" for r in nfail] or [
+        "None." if ran else "Not run (`--no-native`)."]
     lines += ["", "## Multimodal families verified as text only, or without some input", ""]
     lines += [f"- **{r.family}** (`{r.mm_class}`): "
               + "; ".join(x for x in (r.mm_reason and f"hf_moe_tp: {r.mm_reason}", MM_NOTES.get(r.family),
