@@ -12,11 +12,15 @@ def kernel_accepts(x: torch.Tensor, w: torch.Tensor) -> bool:
 
     The kernel wants one dtype, a row-major ``x``, a row- or column-major ``w`` (each ``w[g]`` stored (K, N)
     or (N, K)) and every stride but the unit one a multiple of 16 bytes (K and N multiples of 4 in fp32, of 8
-    in bf16).
+    in bf16); traced by torch.compile, bf16.
     """
     if _KERNEL is None or x.dtype != w.dtype or x.dim() != 2 or w.dim() != 3:
         return False
     if x.device.type == "meta":
+        return False
+    if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        # torch's fake-tensor rule for the kernel admits bf16 only (the eager kernels take other dtypes too):
+        # under torch.compile other dtypes take the loop, which breaks the graph there instead of failing
         return False
     size = x.element_size()
     if w.stride(2) == 1:

@@ -182,3 +182,14 @@ def test_bad_activation_is_named():
         ExpertActivation("swishy")
     with pytest.raises(ValueError, match="both alpha and limit"):
         ExpertActivation(alpha=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_under_torch_compile(dtype):
+    """Traced by torch.compile (dynamo's fake tensors; the eager backend keeps the test fast): the same outputs.
+    torch's fake-tensor rule for grouped_mm admits bf16 only, so fp32 takes the per-expert loop there."""
+    torch._dynamo.reset()
+    m = grouped_experts(EXPERTS, DIM, 32, dtype=dtype)
+    index, weights = routing(TOKENS, EXPERTS, TOP_K)
+    x = torch.randn(TOKENS, DIM).to(dtype)
+    assert torch.equal(torch.compile(m, backend="eager")(x, index, weights), m(x, index, weights))
