@@ -8,7 +8,9 @@ loaded into the same 2 ranks and timed in rotation, each figure the median of ``
 warm-up round. Prefill is ``generate(max_new_tokens=1)``; a whole call is ``generate(max_new_tokens=new)``;
 decode is the difference, per new token after the first. Tokens per second count every sequence of the batch
 (``batch * new`` over the whole call). Collectives are counted on one decode step (a 2-token call less a
-1-token call). The ranks run with glibc's malloc thresholds pinned (bench/allocator.py).
+1-token call). ``--compile`` replaces the EP rows by both TP models generating with transformers' compiled
+decoding (a static cache and ``torch.compile`` of each decode step's forward, ``CompileConfig`` forced onto CPU),
+compiled in the first round (not timed). The ranks run with glibc's malloc thresholds pinned (bench/allocator.py).
 """
 
 from __future__ import annotations
@@ -43,29 +45,46 @@ def load(name: str, path: str, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, distributed_config=config)
 
 
-def bench_rank(path: str, dtype_name: str, batches: list[int], prompt: int, new: int, repeats: int) -> dict:
+def compiled_generation() -> dict:
+    """``generate`` arguments for transformers' own compiled decoding: a static cache, and the forward of every
+    decode step through ``torch.compile`` (transformers does this by itself on GPUs; on CPU it must be told)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    config._compile_all_devices = True
+    return {"cache_implementation": "static", "compile_config": config}
+
+
+def bench_rank(path: str, dtype_name: str, batches: list[int], prompt: int, new: int, repeats: int,
+               compiled: bool = False) -> dict:
     dtype = getattr(torch, dtype_name)
-    models = {name: load(name, path, dtype).eval() for name in VARIANTS}
+    names = VARIANTS[:2] if compiled else VARIANTS
+    models = {name: load(name, path, dtype).eval() for name in names}
+    options = {name: {} for name in names}
+    if compiled:  # the same two models, also generating compiled
+        for name in names:
+            models[f"{name} compiled"], options[f"{name} compiled"] = models[name], compiled_generation()
     out = {}
     for batch in batches:
         ids = torch.randint(0, 32000, (batch, prompt), generator=torch.Generator().manual_seed(batch))
         mask = torch.ones_like(ids)
 
-        def generate(model, n: int, ids=ids, mask=mask):
+        def generate(name: str, n: int, ids=ids, mask=mask):
             with torch.no_grad():
-                return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                return models[name].generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                             do_sample=False, **options[name])
 
-        tokens = {name: generate(model, new)[:, prompt:] for name, model in models.items()}
+        tokens = {name: generate(name, new)[:, prompt:] for name in models}  # compiled variants compile here
         steps = {}
-        for name, model in models.items():
+        for name in models:
             counted = []
             for n in (1, 2):
                 with count_bytes() as (counts, _):
-                    generate(model, n)
+                    generate(name, n)
                 counted.append(counts)
             steps[name] = dict(counted[1] - counted[0])
-        prefill = rotated_medians({name: (lambda m=model: generate(m, 1)) for name, model in models.items()}, repeats)
-        whole = rotated_medians({name: (lambda m=model: generate(m, new)) for name, model in models.items()}, repeats)
+        prefill = rotated_medians({name: (lambda name=name: generate(name, 1)) for name in models}, repeats)
+        whole = rotated_medians({name: (lambda name=name: generate(name, new)) for name in models}, repeats)
         out[batch] = {name: {"tok_s": batch * new / whole[name], "prefill_s": prefill[name],
                              "decode_ms": (whole[name] - prefill[name]) / (new - 1) * 1e3,
                              "same_tokens": torch.equal(tokens[name], tokens["transformers tp_plan=auto"]),
@@ -104,6 +123,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--system-malloc", action="store_true", help="keep glibc's default malloc thresholds")
     p.add_argument("--profile", type=int, metavar="STEPS", help="instead: profile STEPS decode steps at batch 1")
+    p.add_argument("--compile", action="store_true",
+                   help="instead of the EP rows: both TP models also generating with transformers' compiled decoding")
     args = p.parse_args()
     malloc = pin_malloc(args.system_malloc)
     make_checkpoint(args.dir)
@@ -117,14 +138,17 @@ def main() -> None:
           f"{malloc}")
     for dtype in args.dtypes:
         results = run_on_ranks(bench_rank, 2, str(args.dir), dtype, args.batches, args.prompt, args.new,
-                               args.repeats, timeout=7200)[0]
+                               args.repeats, args.compile, timeout=7200)[0]
         for batch, rows in results.items():
             print(f"\n{dtype}, batch {batch}")
             for name, r in rows.items():
-                print(f"  {name:<26} {r['tok_s']:7.1f} tok/s  prefill {r['prefill_s'] * 1e3:7.1f} ms  decode "
+                print(f"  {name:<35} {r['tok_s']:7.1f} tok/s  prefill {r['prefill_s'] * 1e3:7.1f} ms  decode "
                       f"{r['decode_ms']:6.1f} ms/step  tokens {'same' if r['same_tokens'] else 'DIFFER'}  "
                       f"collectives per decode step {r['collectives']}")
-            for ours, ref in ((VARIANTS[0], VARIANTS[1]), (VARIANTS[2], VARIANTS[3])):
+            pairs = [(VARIANTS[0], VARIANTS[1])]
+            pairs += ([(f"{VARIANTS[0]} compiled", VARIANTS[1]), (f"{VARIANTS[0]} compiled", f"{VARIANTS[1]} compiled")]
+                      if args.compile else [(VARIANTS[2], VARIANTS[3])])
+            for ours, ref in pairs:
                 a, b = rows[ours], rows[ref]
                 print(f"  {ours} / {ref}: {a['tok_s'] / b['tok_s']:.2f}x tok/s, prefill "
                       f"{a['prefill_s'] / b['prefill_s']:.2f}x time, decode {a['decode_ms'] / b['decode_ms']:.2f}x "

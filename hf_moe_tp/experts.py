@@ -173,7 +173,9 @@ class GroupedExperts(nn.Module):
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         expert_of_row = flat[order]
-        counts = torch.bincount(flat, minlength=_local(self.w1).shape[0])  # this rank's experts (all, unless EP)
+        # pairs per expert of this rank (all, unless EP); not bincount, whose output size is read on the host
+        counts = torch.zeros(_local(self.w1).shape[0], dtype=torch.long, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = x[order // top_k]
         row_weights = weights.reshape(-1)[order].unsqueeze(-1)

@@ -184,12 +184,22 @@ def test_bad_activation_is_named():
         ExpertActivation(alpha=1.0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_under_torch_compile(dtype):
-    """Traced by torch.compile (dynamo's fake tensors; the eager backend keeps the test fast): the same outputs.
-    torch's fake-tensor rule for grouped_mm admits bf16 only, so fp32 takes the per-expert loop there."""
+@pytest.mark.parametrize("dtype,hidden", [(torch.float32, 32), (torch.bfloat16, 32), (torch.float32, 18)])
+def test_under_torch_compile(dtype, hidden):
+    """Traced whole by torch.compile (``fullgraph=True``; dynamo's fake tensors, the eager backend keeps the
+    test fast): the same outputs and gradients, nothing read on the host in the traced code (the expert counts
+    without ``bincount``, the per-expert loop an opaque op). torch's fake-tensor rule for grouped_mm admits bf16
+    only, so fp32 takes the loop there."""
     torch._dynamo.reset()
-    m = grouped_experts(EXPERTS, DIM, 32, dtype=dtype)
+    m = grouped_experts(EXPERTS, DIM, hidden, dtype=dtype)
     index, weights = routing(TOKENS, EXPERTS, TOP_K)
-    x = torch.randn(TOKENS, DIM).to(dtype)
-    assert torch.equal(torch.compile(m, backend="eager")(x, index, weights), m(x, index, weights))
+    x, g = torch.randn(TOKENS, DIM).to(dtype), torch.randn(TOKENS, DIM).to(dtype)
+    runs = []
+    for fn in (m, torch.compile(m, backend="eager", fullgraph=True)):
+        m.zero_grad()
+        y = fn(x, index, weights)
+        (y * g).sum().backward()
+        runs.append((y, {n: p.grad.clone() for n, p in m.named_parameters()}))
+    assert (runs[0][0].float() - runs[1][0].float()).abs().max() <= 1e-5 * runs[0][0].float().abs().max()
+    for n, grad in runs[0][1].items():
+        assert (grad.float() - runs[1][1][n].float()).abs().max() <= 1e-5 * grad.float().abs().max(), n
