@@ -18,6 +18,7 @@ import types
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -57,13 +58,14 @@ def explain_collective_failures(model: nn.Module, meshes: list[DeviceMesh | None
     forward = model.forward.__func__  # the class's forward, called with whichever model this is bound to
 
     def checked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        start = time.monotonic()
+        # not read under torch.compile, whose tracing would break the graph at the clock
+        start = None if torch.compiler.is_compiling() else time.monotonic()
         try:
             return forward(self, *args, **kwargs)
         except RuntimeError as e:
             if isinstance(e, CollectiveFailure) or not (isinstance(e, dist.DistError) or _COMMS.search(str(e))):
                 raise
-            raise _explained(e, ranks, time.monotonic() - start, timeout_s) from e
+            raise _explained(e, ranks, None if start is None else time.monotonic() - start, timeout_s) from e
 
     # A bound method, not a closure over ``model``: copy.deepcopy rebinds it to the copy; signature() sees
     # the model's own arguments through ``__wrapped__``.
@@ -71,7 +73,7 @@ def explain_collective_failures(model: nn.Module, meshes: list[DeviceMesh | None
     model.forward = types.MethodType(checked_forward, model)
 
 
-def _explained(error: RuntimeError, ranks: list[int], waited_s: float, timeout_s: float | None
+def _explained(error: RuntimeError, ranks: list[int], waited_s: float | None, timeout_s: float | None
                ) -> CollectiveFailure:
     me = dist.get_rank()
     text = str(error).strip()
@@ -92,7 +94,8 @@ def _explained(error: RuntimeError, ranks: list[int], waited_s: float, timeout_s
         who = "every rank reported the same failure"
     first = text.splitlines()[0] if text else type(error).__name__
     return CollectiveFailure(
-        f"rank {me}: a collective of the forward over ranks {ranks} failed after {waited_s:.1f} s: {cause}; {who}. "
+        f"rank {me}: a collective of the forward over ranks {ranks} failed"
+        f"{'' if waited_s is None else f' after {waited_s:.1f} s'}: {cause}; {who}. "
         f"Every rank must run each forward (from_pretrained(timeout=) bounds the wait). Backend: {first}", missing)
 
 

@@ -5,6 +5,7 @@ CUDA graph. Checked on CPU by recording every such call made from hf_moe_tp's fi
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from pathlib import Path
 
@@ -78,3 +79,27 @@ def test_the_check_sees_host_waits(ranks, tmp_path):
     for calls in ranks(2).run(_decode_step, path, dict(ep_size=2, ep_dispatch="all_to_all"), 1):
         assert ("tolist", "expert_parallel.py") in {(n, where.split(":")[0]) for n, where in calls}, calls
     assert expert_parallel.MASKED_PAIRS >= 16  # a decode step at batch 8, top-2, takes the masked path
+
+
+def _compiled_decode_step(path: str, kwargs: dict) -> float:
+    """One decode step traced whole by torch.compile (``fullgraph=True``: any graph break, such as a host read,
+    fails; the eager backend keeps it fast), against the same step run eagerly."""
+    torch._dynamo.reset()
+    model = hf_moe_tp.from_pretrained(path, **kwargs)
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(ids, use_cache=True)  # prefill (and the first forward's input check)
+        step = out.logits[:, -1:].argmax(-1)
+        position = torch.tensor([[ids.shape[1]]])
+        eager = model(step, past_key_values=copy.deepcopy(out.past_key_values), position_ids=position).logits
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        traced = compiled(step, past_key_values=copy.deepcopy(out.past_key_values), position_ids=position).logits
+    return (traced - eager).abs().max().item()
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(ep_size=2)], ids=["tp2", "ep2"])
+def test_decode_step_compiles_whole(ranks, tmp_path, kwargs):
+    """What a CUDA graph needs, shown on CPU: torch.compile traces a TP and an EP decode step as one graph."""
+    path = str(save_family("mixtral", tmp_path))
+    for diff in ranks(2).run(_compiled_decode_step, path, kwargs):
+        assert diff <= 1e-5, diff
