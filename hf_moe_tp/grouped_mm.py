@@ -69,7 +69,7 @@ def _loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tens
     start = 0
     for g, end in enumerate(offsets.tolist()):  # one host read of the offsets, none in the loop
         if end > start:
-            torch.mm(x[start:end], w[g], out=out[start:end])
+            out[start:end] = x[start:end] @ w[g]  # not mm(out=): into a slice it rounds otherwise
         start = end
     return out
 
@@ -86,7 +86,7 @@ def _loop_backward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, grad
     start = 0
     for g, end in enumerate(offsets.tolist()):
         if end > start:
-            torch.mm(grad[start:end], w[g].t(), out=grad_x[start:end])
+            grad_x[start:end] = grad[start:end] @ w[g].t()
             grad_w[g].copy_(x[start:end].t() @ grad[start:end])
         start = end
     return grad_x, grad_w
