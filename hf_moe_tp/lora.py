@@ -615,10 +615,13 @@ class _Placement:
             layout, local = style.output_layouts[0], style.use_local_output
             if layout != Shard(-1) or not local:  # the base layer's output form: gathered, or a DTensor
                 mesh, base = self.tp_mesh, layer.get_base_layer()
-                # a gathering lm_head keeps its logits split for the loss (hf_moe_tp.loss): so does the adapter
-                b.register_forward_hook(lambda m, args, out: _as_output(
-                    out, mesh, Shard(-1) if getattr(base, KEEP_SPLIT, False) else layout,
-                    local and not getattr(base, KEEP_SPLIT, False)))
+
+                def as_base_output(m: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+                    # a gathering lm_head keeps its logits split for the loss (hf_moe_tp.loss): so does the adapter
+                    split = getattr(base, KEEP_SPLIT, False)
+                    return _as_output(out, mesh, Shard(-1) if split else layout, local and not split)
+
+                b.register_forward_hook(as_base_output)
         elif self.kind == "rowwise":
             _compute_locally(a, self.to_local(sum_tp=False))
             if style.input_layouts[0] == Replicate():  # the base slices the input itself: so does lora_A
