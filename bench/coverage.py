@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="", help="also write the results as JSON here")
     parser.add_argument("--list", action="store_true", help="only list the discovered families")
     parser.add_argument("--loss-parallel", action="store_true",
-                        help="load ours with loss_parallel=True (the training step's loss from split logits)")
+                        help="load ours with loss_parallel=True (training logits kept split, never gathered)")
     args = parser.parse_args(argv)
     if args.list:
         for f in discover():

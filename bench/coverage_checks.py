@@ -56,7 +56,8 @@ def _reference(path: str, kind: str):
 
 def run_ours(path: str, kind: str, full: bool = True, loss_parallel: bool = False) -> dict:
     """hf_moe_tp at this world size against transformers in one process (on every rank); ``loss_parallel``:
-    loaded with the vocabulary-parallel loss (the training step's loss from split logits)."""
+    loaded with ``loss_parallel=True`` (the training step's logits kept split; the loss comes from split logits
+    either way where ``lm_head`` is split)."""
     import hf_moe_tp
     from hf_moe_tp import GroupedExperts
     from model_patches import adapter_for
