@@ -22,3 +22,4 @@ model = hf_moe_tp.from_pretrained(sys.argv[1], device_mesh=accelerator.torch_dev
 ids = torch.tensor([[int(t) for t in sys.argv[2:]] or list(range(1, 9))], device=accelerator.device)
 tokens = model.generate(ids, max_new_tokens=16, do_sample=False)
 accelerator.print("TOKENS", world, tokens[0].tolist())
+accelerator.end_training()  # destroys the process group before interpreter shutdown

@@ -32,6 +32,7 @@ def main() -> None:
         optimizer.zero_grad()
         mean = accelerator.reduce(loss.detach(), reduction="mean")  # over every rank: each TP group counts tp times
         accelerator.print(f"STEP {step} LOSS {mean.item():.6f}")
+    accelerator.end_training()  # destroys the process group before interpreter shutdown
 
 
 if __name__ == "__main__":

@@ -76,9 +76,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--temperature, --top-k and --top-p need --sample")
     request = (args.path, args.prompt, args.ids, args.max_new_tokens, args.dtype, args.ep_size, sampling)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+
         text = generate_rank(*request)
         if text is not None:
             print(text)
+        # Only after success (as torchtitan does): a gloo group left to interpreter shutdown can abort the
+        # process ("terminate called without an active exception") with its worker threads still alive.
+        dist.destroy_process_group()
         return 0
     print(generate_on_ranks(args.tp, *request))
     return 0
