@@ -1,7 +1,7 @@
 """Train the bench Mixtral-shaped model at (dp 2 x tp 2) on 4 gloo ranks: hf_moe_tp against transformers' native
 ``DistributedConfig(tp_size=2, fsdp_size=2)``, fp32 and bf16, training tokens per second and peak memory per rank.
 
-    python bench/train.py [--layers 1] [--batch 4] [--seq 256] [--repeats 3] [--loss-parallel] [--lora]
+    python bench/train.py [--layers 1] [--batch 4] [--seq 256] [--repeats 3] [--loss-parallel] [--trainer] [--lora]
 
 The model is bench/load.py's Mixtral shape (hidden 1024, 16 experts of 1536, top-2, 16 heads, 8 KV heads,
 vocabulary 32000) with ``--layers`` decoder layers (4 is bench/load.py's checkpoint itself), made once with
@@ -14,6 +14,9 @@ and then timed in rotation:
 - with ``--loss-parallel``, ``hf_moe_tp loss_parallel``: the same with ``loss_parallel=True`` (the training
   logits returned split over the vocabulary, never gathered; both rows take the loss from the split logits,
   the first then gathers them for its outputs);
+- with ``--trainer``, ``hf_moe_tp Trainer.training_step``: the default model stepped by transformers' Trainer
+  (its ``training_step``: forward and backward through ``compute_loss``, where the logits stay split since only
+  the loss is read, hf_moe_tp.trainer) and then the same clip and AdamW step;
 - ``transformers fsdp2 x tp2``: ``AutoModelForCausalLM.from_pretrained(path,
   distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))`` with hf_moe_tp not installed: transformers' own
   TP styles and experts (``grouped_mm``), its own ``fully_shard`` plan. Its mesh is ``model._mesh_manager``, a
@@ -76,6 +79,7 @@ from hf_moe_tp.launch import run_on_ranks
 
 WORLD, TP, DP = 4, 2, 2
 OURS, OURS_LP, NATIVE = "hf_moe_tp", "hf_moe_tp loss_parallel", "transformers fsdp2 x tp2"
+OURS_TRAINER = "hf_moe_tp Trainer.training_step"
 OURS_LORA, NATIVE_LORA = "hf_moe_tp lora", "transformers tp4 lora"
 LORA_TARGETS = ["q_proj", "v_proj"]  # what transformers' TP runs with PEFT (o_proj fails in its forward)
 # relative; the loss is summed in fp32 by both; a gradient norm over multi-million-element CPU tensors in fp32
@@ -176,7 +180,7 @@ def lora_models(path: str, dtype: torch.dtype) -> dict:
 
 
 def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int, loss_parallel: bool,
-               lora: bool = False) -> dict:
+               lora: bool = False, trainer: bool = False) -> dict:
     """Every variant loaded in the same ranks, then timed in rotation (ours, ours loss_parallel, transformers,
     ours, ...), so drift in the machine's speed hits them alike."""
     import torch.distributed as dist
@@ -195,6 +199,8 @@ def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int, l
         models = {OURS: hf_moe_tp.from_pretrained(path, fsdp_size=DP, dtype=dtype)}
         if loss_parallel:
             models[OURS_LP] = hf_moe_tp.from_pretrained(path, fsdp_size=DP, dtype=dtype, loss_parallel=True)
+        if trainer:
+            models[OURS_TRAINER] = hf_moe_tp.from_pretrained(path, fsdp_size=DP, dtype=dtype)
         config = DistributedConfig(tp_size=TP, fsdp_size=DP)
         models[NATIVE] = AutoModelForCausalLM.from_pretrained(path, distributed_config=config, dtype=dtype)
 
@@ -219,9 +225,15 @@ def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int, l
         clip = torch.nn.utils.clip_grad_norm_ if name not in (NATIVE, NATIVE_LORA) else clip_grad_norm_per_mesh_
         history[name] = []
 
-        def step(model=model, opt=opt, mine=mine, clip=clip, record=history[name].append) -> None:
-            loss = model(mine, labels=mine).loss
-            loss.backward()
+        stepper = trainer_step(model) if name == OURS_TRAINER else None
+
+        def step(model=model, opt=opt, mine=mine, clip=clip, record=history[name].append,
+                 forward_backward=stepper) -> None:
+            if forward_backward is not None:
+                loss = forward_backward({"input_ids": mine, "labels": mine})
+            else:
+                loss = model(mine, labels=mine).loss
+                loss.backward()
             norm = clip(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
@@ -249,6 +261,19 @@ def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int, l
     return out
 
 
+def trainer_step(model):
+    """Forward and backward of one batch as transformers' Trainer does them (``training_step``)."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(tempfile.mkdtemp(), use_cpu=not torch.cuda.is_available(), report_to=[],
+                             disable_tqdm=True)
+    trainer = Trainer(model=model, args=args)
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train's loop otherwise
+    return lambda inputs: trainer.training_step(model, inputs)
+
+
 def relative(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
@@ -262,6 +287,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--loss-parallel", action="store_true", help="add a row with from_pretrained(loss_parallel=True)")
+    p.add_argument("--trainer", action="store_true", help="add a row stepped by transformers' Trainer.training_step")
     p.add_argument("--system-malloc", action="store_true", help="keep glibc's default malloc thresholds")
     p.add_argument("--lora", action="store_true", help="LoRA on q/k/v/o_proj at TP=4 against transformers' TP")
     args = p.parse_args()
@@ -279,7 +305,7 @@ def main() -> None:
     repeats = args.repeats
     for dtype in args.dtypes:
         ranks = run_on_ranks(bench_rank, WORLD, str(path), dtype, args.batch, args.seq, args.repeats,
-                             args.loss_parallel, args.lora, timeout=3600)
+                             args.loss_parallel, args.lora, args.trainer, timeout=3600)
         results = {name: r for name, r in ranks[0].items() if name != "vm_hwm_mib"}  # rank 0 speaks for timing
         peak = {name: max(r[name]["peak_mib"] for r in ranks) for name in results}
         ref = results[native]

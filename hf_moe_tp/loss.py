@@ -13,12 +13,16 @@ This is how every model from ``from_pretrained`` with a split output projection 
 outputs carry the logits gathered (a plain tensor) as before. The gather is one all-gather of the logits in
 forward; the whole-vocabulary log-softmax on every rank, its memory and its backward are what is saved
 (bench/train.py). With ``loss_parallel=True`` a training-mode forward with labels skips the gather too: its
-logits stay a DTensor split over the vocabulary (``.full_tensor()`` gathers them).
+logits stay a DTensor split over the vocabulary (``.full_tensor()`` gathers them). Inside :func:`loss_only` it is
+skipped for that call alone; the Trainer's training steps run there when nothing but the loss is read.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -27,6 +31,19 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .linear import KEEP_SPLIT, ColumnParallel
+
+_loss_only = contextvars.ContextVar("hf_moe_tp_loss_only", default=False)
+
+
+@contextlib.contextmanager
+def loss_only() -> Iterator[None]:
+    """Training-mode forwards with labels inside this block leave their ``logits`` split over the vocabulary (a
+    DTensor; no all-gather), as ``loss_parallel=True`` does for every call: for loops that read only ``loss``."""
+    token = _loss_only.set(True)
+    try:
+        yield
+    finally:
+        _loss_only.reset(token)
 
 
 def causal_lm_loss(
@@ -66,7 +83,8 @@ def split_loss(model: nn.Module, plan: dict, keep_split_in_training: bool = Fals
     """Have ``model``'s forwards with ``labels`` take the loss from logits split over the vocabulary, where its
     output projection is a gathering :class:`~hf_moe_tp.linear.ColumnParallel` (``plan``'s entry) and its loss
     is transformers' causal-LM one; returns whether it does. The outputs' logits are gathered, except with
-    ``keep_split_in_training`` in a training-mode forward that computed a loss (``loss_parallel=True``)."""
+    ``keep_split_in_training`` (``loss_parallel=True``) or inside :func:`loss_only`, in a training-mode forward
+    that computed a loss."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     style = next((plan.get(n) for n, m in model.named_modules() if m is head), None) if head is not None else None
     if not (isinstance(style, ColumnParallel) and style.output_layouts[0] == Replicate()
@@ -86,7 +104,8 @@ def split_loss(model: nn.Module, plan: dict, keep_split_in_training: bool = Fals
         if isinstance(output, tuple):  # return_dict=False
             return tuple(x.full_tensor() if isinstance(x, DTensor) else x for x in output)
         logits = getattr(output, "logits", None)
-        stay = keep_split_in_training and module.training and getattr(output, "loss", None) is not None
+        stay = ((keep_split_in_training or _loss_only.get()) and module.training
+                and getattr(output, "loss", None) is not None)
         if isinstance(logits, DTensor) and not stay:
             output.logits = logits.full_tensor()
         return output

@@ -13,12 +13,14 @@ What the Trainer gets wrong for such models is mended here, for hf_moe_tp models
 - Checkpoints: transformers refuses optimizer state for models sharded at load time (it would save the optimizer
   from rank 0 alone). For ours, model and optimizer state are saved with torch DCP, each rank writing its shards
   (``<checkpoint>/hf_moe_tp_state``), and ``resume_from_checkpoint`` and ``load_best_model_at_end`` read them
-  back. With the evaluation loop's (predictions, below), six Trainer methods are patched, when the first model
-  is declared; each calls the original for any other model, and ``tests/test_trainer.py`` fails once
+  back. With the evaluation loop and ``compute_loss`` (below), seven Trainer methods are patched, when the
+  first model is declared; each calls the original for any other model, and ``tests/test_trainer.py`` fails once
   transformers stops refusing.
 - Predictions: accelerate's ``gather_for_metrics`` takes every rank's copy of a batch, so a TP group would
   return each row tp times; the Trainer's evaluation loop gathers one copy per TP group instead.
 - A layout whose data-parallel ranks would not average their gradients under the Trainer is refused.
+- Speed: a training step whose outputs nobody reads (``compute_loss`` returning the loss alone, with the
+  model's own loss) keeps the logits split (:func:`hf_moe_tp.loss.loss_only`), skipping their all-gather.
 
 On CPU processes accelerate refuses any ``ParallelismConfig``: :mod:`hf_moe_tp.accelerate_cpu`.
 """
@@ -38,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .loss import loss_only
 from .meshes import Layout
 
 TRAINER_MODULE = "transformers.trainer"
@@ -192,6 +195,7 @@ def _patch_trainer() -> None:
     patch("_load_from_checkpoint", _load_from_checkpoint)
     patch("_load_best_model", _load_best_model)
     patch("evaluation_loop", _evaluation_loop)
+    patch("compute_loss", _compute_loss)
 
 
 def _gather_once_per_tp_group(trainer: Any, model: nn.Module) -> Callable | None:
@@ -228,6 +232,16 @@ def _gather_once_per_tp_group(trainer: Any, model: nn.Module) -> Callable | None
             del accelerator.gather
 
     return once_per_tp_group
+
+
+def _compute_loss(trainer: Any, original, model: nn.Module, inputs: dict, return_outputs: bool = False,
+                  *args: Any, **kwargs: Any) -> Any:
+    # Only the loss leaves this call unless the outputs are returned or a loss function or label smoother reads
+    # the logits: the training step then needs no gather of the logits (hf_moe_tp.loss.loss_only).
+    if return_outputs or trainer.compute_loss_func is not None or trainer.label_smoother is not None:
+        return original(trainer, model, inputs, return_outputs, *args, **kwargs)
+    with loss_only():
+        return original(trainer, model, inputs, return_outputs, *args, **kwargs)
 
 
 def _evaluation_loop(trainer: Any, original, *args: Any, **kwargs: Any) -> Any:

@@ -1,6 +1,7 @@
 """transformers' Trainer on hf_moe_tp models at TP=2, EP=2 and (dp 2 x tp 2) with FSDP2, on gloo CPU ranks,
 against the same Trainer run in one process on the eager transformers model (same data, seed and sampler):
-logged losses and gradient norms within 1e-4 per step, evaluate() and predict() alike; checkpoints resume;
+logged losses and gradient norms within 1e-4 per step (training steps leave the logits split), evaluate() and
+predict() alike; checkpoints resume;
 save_model() writes files plain transformers loads; the two shims of hf_moe_tp.trainer still needed."""
 
 from __future__ import annotations
@@ -43,14 +44,20 @@ def arguments(out: str, batch: int = PER_DEVICE, **overrides) -> TrainingArgumen
 
 
 def fit(model, out: str, batch: int = PER_DEVICE, **overrides) -> dict:
-    """Train, evaluate and predict with the Trainer; what was logged and predicted."""
+    """Train, evaluate and predict with the Trainer; what was logged and predicted, and for each forward
+    whether it was in training mode and left its logits split (a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    seen = []
+    model.register_forward_hook(lambda m, args, out: seen.append((m.training, isinstance(out.logits, DTensor))))
     trainer = Trainer(model=model, args=arguments(out, batch, **overrides), train_dataset=Rows(16),
                       eval_dataset=Rows(8, seed=1))
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
     predicted = trainer.predict(Rows(8, seed=1))
     return {"loss": [h["loss"] for h in logged], "grad_norm": [h["grad_norm"] for h in logged],
-            "eval_loss": trainer.evaluate()["eval_loss"], "predictions": predicted.predictions}
+            "eval_loss": trainer.evaluate()["eval_loss"], "predictions": predicted.predictions, "seen": seen,
+            "split_loss": getattr(model, "hf_moe_tp_split_loss", False)}
 
 
 def _fresh_accelerate() -> None:
@@ -121,6 +128,11 @@ def test_trainer_matches_one_process(ranks, mixtral, reference, tmp_path, layout
         assert abs(r["eval_loss"] - ref["eval_loss"]) <= TOL, (r["eval_loss"], ref["eval_loss"])
         assert r["predictions"].shape == ref["predictions"].shape, r["predictions"].shape
         assert np.abs(r["predictions"] - ref["predictions"]).max() <= 1e-4
+        # the training steps read only the loss: no gather of the logits (hf_moe_tp.loss.loss_only); the
+        # evaluation reads them whole
+        assert r["split_loss"] or layout != "tp2", layout
+        assert {kept for training, kept in r["seen"] if training} == {r["split_loss"]}, r["seen"]
+        assert {kept for training, kept in r["seen"] if not training} == {False}, r["seen"]
 
 
 def _checkpointed(path: str, out: str, resume: str | None) -> dict:
