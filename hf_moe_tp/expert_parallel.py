@@ -29,9 +29,9 @@ from .styles import (
     LocalParams,
     _hook_inputs,
     _SumGradOverMesh,
-    _SumOverMesh,
     distribute_params,
     local_during_forward,
+    sum_over_mesh,
 )
 
 # At most this many (token, slot) pairs, the all-reduce dispatch runs every pair (see _dispatch_local).
@@ -188,12 +188,12 @@ class _Dispatcher:
         if not self.experts.score_before_experts:
             out = out * call["weights"]
         y = out.new_zeros((call["num_tokens"], out.shape[-1])).index_add_(0, call["token"], out)
-        return _SumOverMesh.apply(y, self.ep_mesh.get_group()).to(call["dtype"])
+        return sum_over_mesh(y, self.ep_mesh.get_group()).to(call["dtype"])
 
     def combine(self, out: torch.Tensor) -> torch.Tensor:
         call = self.calls.pop()
         if call["mode"] == "masked":  # weighted and summed over the slots already
-            return _SumOverMesh.apply(out, self.ep_mesh.get_group()).to(call["dtype"])
+            return sum_over_mesh(out, self.ep_mesh.get_group()).to(call["dtype"])
         if call["mode"] == "all_reduce":
             return self._combine_local(out, call)
         back = _AllToAll.apply(out, call["send_sizes"], call["recv_sizes"], self.ep_mesh.get_group())

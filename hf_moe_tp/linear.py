@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from .styles import _check_mesh, _SumGradOverMesh, _SumOverMesh, distribute_params, local_during_forward
+from .styles import _check_mesh, _SumGradOverMesh, distribute_params, local_during_forward, sum_over_mesh
 
 
 class ColumnParallel(ColwiseParallel):
@@ -85,9 +85,9 @@ class RowParallel(RowwiseParallel):
         def sum_then_bias(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
             bias = biases.pop()
             if bias is None:
-                return _SumOverMesh.apply(out, group)
+                return sum_over_mesh(out, group)
             mod._parameters["bias"] = bias
-            return _SumOverMesh.apply(out, group) + bias.to_local()
+            return sum_over_mesh(out, group) + bias.to_local()
 
         module.register_forward_pre_hook(without_bias)
         module.register_forward_hook(sum_then_bias, always_call=True)
@@ -109,6 +109,13 @@ def _gather_or_keep_split(module: nn.Module, out: torch.Tensor, mesh: DeviceMesh
     if getattr(module, KEEP_SPLIT, False):
         return DTensor.from_local(out, mesh, (Shard(-1),), run_check=False)
     return _gather_features(out, mesh)
+
+
+def gather_kept_split(x: DTensor) -> torch.Tensor:
+    """What a module that kept its output split (``KEEP_SPLIT``) returns otherwise: the slices of ``x`` (a DTensor
+    ``Shard(-1)`` of equal slices on a 1-D mesh) gathered. A new tensor, not a view as ``full_tensor()`` gives:
+    FSDP2 hooks the model's outputs for backward, and an in-place op on a view would drop that hook."""
+    return _gather_features(x.to_local(), x.device_mesh)
 
 
 def _gather_features(out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

@@ -89,7 +89,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .linear import KEEP_SPLIT, ColumnParallel, RowParallel
 from .saving import SaveError
-from .styles import LocalParams, MlaKvAProj, NoParallel, _SumGradOverMesh, _SumOverMesh, local_during_forward
+from .styles import LocalParams, MlaKvAProj, NoParallel, _SumGradOverMesh, local_during_forward, sum_over_mesh
 
 # init_lora_weights values drawn without reading the base weights: PEFT's own draws, at the whole shapes
 SUPPORTED_INITS = (True, False, "gaussian")
@@ -629,7 +629,7 @@ class _Placement:
                 a.register_forward_pre_hook(lambda m, args: (_slice_last(args[0], mesh), *args[1:]))
             else:
                 _slice_dropout(layer, adapter, self.tp_mesh)
-            a.register_forward_hook(lambda m, args, out: _SumOverMesh.apply(out, group))
+            a.register_forward_hook(lambda m, args, out: sum_over_mesh(out, group))
             _compute_locally(b, self.to_local(sum_tp=False))
             if not style.use_local_output:
                 mesh = self.tp_mesh

@@ -20,7 +20,6 @@ skipped for that call alone; the Trainer's training steps run there when nothing
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import inspect
 from collections.abc import Iterator
 
@@ -30,20 +29,22 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from .linear import KEEP_SPLIT, ColumnParallel
+from .linear import KEEP_SPLIT, ColumnParallel, gather_kept_split
 
-_loss_only = contextvars.ContextVar("hf_moe_tp_loss_only", default=False)
+# Inside loss_only(): a plain global, not a ContextVar, which torch.compile cannot read (a graph break)
+_loss_only = {"depth": 0}
 
 
 @contextlib.contextmanager
 def loss_only() -> Iterator[None]:
     """Training-mode forwards with labels inside this block leave their ``logits`` split over the vocabulary (a
-    DTensor; no all-gather), as ``loss_parallel=True`` does for every call: for loops that read only ``loss``."""
-    token = _loss_only.set(True)
+    DTensor; no all-gather), as ``loss_parallel=True`` does for every call: for loops that read only ``loss``.
+    Process-wide while it lasts (every thread's forwards)."""
+    _loss_only["depth"] += 1
     try:
         yield
     finally:
-        _loss_only.reset(token)
+        _loss_only["depth"] -= 1
 
 
 def causal_lm_loss(
@@ -102,18 +103,27 @@ def split_loss(model: nn.Module, plan: dict, keep_split_in_training: bool = Fals
     def gather(module: nn.Module, args: tuple, kwargs: dict, output):
         setattr(head, KEEP_SPLIT, False)
         if isinstance(output, tuple):  # return_dict=False
-            return tuple(x.full_tensor() if isinstance(x, DTensor) else x for x in output)
+            return tuple(_whole(x) for x in output)
         logits = getattr(output, "logits", None)
-        stay = ((keep_split_in_training or _loss_only.get()) and module.training
-                and getattr(output, "loss", None) is not None)
+        stay = (module.training and getattr(output, "loss", None) is not None
+                and (keep_split_in_training or _loss_only["depth"] > 0))
         if isinstance(logits, DTensor) and not stay:
-            output.logits = logits.full_tensor()
+            output.logits = _whole(logits)
         return output
 
     model.loss_function = causal_lm_loss
     model.register_forward_pre_hook(keep_split_with_labels, with_kwargs=True)
     model.register_forward_hook(gather, with_kwargs=True, always_call=True)
     return True
+
+
+def _whole(x: object) -> object:
+    """A DTensor output made whole: split logits as the output projection would have gathered them."""
+    if not isinstance(x, DTensor):
+        return x
+    if _vocab_sharded(x) and x.shape[-1] % x.device_mesh.size() == 0:
+        return gather_kept_split(x)
+    return x.full_tensor()
 
 
 def _vocab_sharded(logits: torch.Tensor) -> bool:

@@ -75,7 +75,7 @@ class TensorParallel(ParallelStyle):
         norm = getattr(module, "post_expert_norm", None)
         if norm is not None:  # rows completed before the norm (k rows per token): the output is then whole
             group = device_mesh.get_group()
-            module.row_reduce = lambda rows: _SumOverMesh.apply(rows, group)
+            module.row_reduce = lambda rows: sum_over_mesh(rows, group)
             LocalParams(sum_grads=False)._apply(norm, device_mesh)
         # the routing weights scale whole rows after the norm: their gradient is whole on every rank
         whole_grads = {2} if norm is not None and not module.score_before_experts else set()
@@ -91,7 +91,7 @@ class TensorParallel(ParallelStyle):
 
     def _prepare_output(self, output: torch.Tensor, mesh: DeviceMesh, partial: bool = True) -> torch.Tensor:
         if isinstance(self.output_layout, Replicate) and self.use_local_output:  # one all-reduce, no DTensor
-            return _SumOverMesh.apply(output, mesh.get_group()) if partial else output
+            return sum_over_mesh(output, mesh.get_group()) if partial else output
         out = DTensor.from_local(output, mesh, (Partial() if partial else Replicate(),), run_check=False)
         out = out.redistribute(mesh, (self.output_layout,))
         return out.to_local() if self.use_local_output else out
@@ -238,7 +238,7 @@ class VocabParallelEmbedding(LocalParams):
             if padding is not None:
                 mod.padding_idx = padding
             out = out.masked_fill(masks.pop().unsqueeze(-1), 0)
-            return _SumOverMesh.apply(out, group)
+            return sum_over_mesh(out, group)
 
         module.register_forward_pre_hook(local_ids)
         module.register_forward_hook(combine)
@@ -337,6 +337,15 @@ class LocalDuringCall:
             return getattr(type(self.module), self.method)(self.module, *args, **kwargs)
         finally:
             _swap_back(swapped)
+
+
+def sum_over_mesh(t: torch.Tensor, group) -> torch.Tensor:
+    """``t`` summed over ``group``'s ranks, with an identity backward (:class:`_SumOverMesh`); on a group of one,
+    ``t`` itself, not a view of it: FSDP2 hooks a unit's outputs for backward, and an in-place op on a view
+    drops that hook."""
+    if torch.distributed.get_world_size(group) == 1:
+        return t
+    return _SumOverMesh.apply(t, group)
 
 
 class _SumOverMesh(torch.autograd.Function):
