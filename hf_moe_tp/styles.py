@@ -354,9 +354,7 @@ class _SumOverMesh(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
-        if torch.distributed.get_world_size(group) == 1:
-            return t.view_as(t)
-        t = t.contiguous().clone()
+        t = t.contiguous().clone()  # (sum_over_mesh keeps a group of one out of here)
         torch.distributed.all_reduce(t, group=group)
         return t
 
