@@ -53,6 +53,10 @@ def shard_data_parallel(
 
     Parameters on a mesh that already includes a data-parallel dimension (experts over an ``"ep"`` dimension
     holding different batches) are left to themselves and their gradients divided by that dimension's size.
+
+    On a model still on the meta device (:func:`hf_moe_tp.from_pretrained` shards before it reads, so each rank
+    reads only its final shards) the parameters stay meta; call :func:`divide_expert_gradients` once they are
+    loaded.
     """
     if isinstance(offload_policy, CPUOffloadPolicy) and dp_mesh.device_type == "cpu":
         # fully_shard's CPU offload moves accelerator parameters to host memory; on a CPU mesh they are there
@@ -72,6 +76,8 @@ def shard_data_parallel(
             module.set_unshard_in_backward(False)  # a lookup's gradient needs the indices, not the table
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None,
                 **kwargs)
+    if not any(p.is_meta for p in ignored):
+        divide_expert_gradients(model)
     model._is_fsdp_managed_module = True  # transformers' generate then keeps the data-parallel ranks in step
     model.hf_moe_tp_dp_mesh = dp_mesh
     return model
@@ -98,15 +104,26 @@ def _lookup_only(module: nn.Module) -> bool:
 
 def _expert_params_over_batches(model: nn.Module, dp_mesh: DeviceMesh) -> set[nn.Parameter]:
     """Parameters on a 2-D mesh with an ``"ep"`` dimension (the ``(ep, tp)`` layout): whole experts per rank,
-    fed every ep rank's tokens. Their gradients get FSDP's averaging over the batches by a hook."""
-    out = set()
-    for p in model.parameters():
-        if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ()) and p.device_mesh.ndim > 1:
-            out.add(p)
-            if p.requires_grad:
-                size = p.device_mesh["ep"].size()
-                p.register_hook(lambda g, size=size: g / size)
+    fed every ep rank's tokens. FSDP2 leaves them; :func:`divide_expert_gradients` averages their gradients."""
+    out = {p for p in model.parameters()
+           if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ()) and p.device_mesh.ndim > 1}
     if out and dp_mesh.size() != next(iter(out)).device_mesh["ep"].size():
         raise ValueError(f"FSDP over {dp_mesh.size()} ranks with experts over an 'ep' dimension of "
                          f"{next(iter(out)).device_mesh['ep'].size()}: the data-parallel ranks must be the ep ranks")
     return out
+
+
+def divide_expert_gradients(model: nn.Module) -> None:
+    """Divide the gradients of experts over an ``"ep"`` dimension that carries the batches by its size, as FSDP2
+    divides the rest (a hook per parameter; idempotent). A hook belongs to the parameter object, so this runs
+    once the parameters are allocated: the loader replaces meta parameters with new ones."""
+    for p in model.parameters():
+        if not (isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ()) and p.device_mesh.ndim > 1):
+            continue
+        if p.is_meta:
+            raise RuntimeError("divide_expert_gradients before the parameters are loaded: a hook on a meta "
+                               "parameter is lost when the loader allocates it")
+        if p.requires_grad and not getattr(p, "_hf_moe_tp_divided", False):
+            size = p.device_mesh["ep"].size()
+            p.register_hook(lambda g, size=size: g / size)
+            p._hf_moe_tp_divided = True

@@ -48,6 +48,9 @@ REFUSED = {
 }
 # Arguments taken and without effect, because a tensor-parallel load always does what they ask.
 NO_OPS = {"low_cpu_mem_usage", "weights_only", "_fast_init"}
+# transformers' internal keywords, which its Auto classes and pipelines pass down to a model class's
+# ``from_pretrained`` (5.25 always passes ``_from_auto``); transformers' own method pops them unused, as we do.
+AUTO_CLASS_KEYWORDS = {"_from_auto", "_from_pipeline", "_commit_hash", "code_revision"}
 EXPERTS_IMPLEMENTATIONS = (None, "grouped_mm")
 
 
@@ -93,7 +96,7 @@ def resolve(path: str | os.PathLike, dtype: Any = None, **kwargs: Any) -> Resolv
     """Apply transformers' ``from_pretrained`` keyword arguments, which :func:`refuse` has passed (the README's
     table)."""
     requested_quantization = kwargs.pop("quantization_config", None)
-    for k in (*REFUSED, *NO_OPS, "use_safetensors", "experts_implementation"):
+    for k in (*REFUSED, *NO_OPS, *AUTO_CLASS_KEYWORDS, "use_safetensors", "experts_implementation"):
         kwargs.pop(k, None)
     if "torch_dtype" in kwargs:  # transformers' older name
         torch_dtype_ = kwargs.pop("torch_dtype")

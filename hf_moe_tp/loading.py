@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -43,6 +44,7 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
     reads: list[tuple[str, tuple[slice, ...]]] = field(default_factory=list)
     bytes_read: int = 0
+    bytes_received: int = 0  # by broadcast from another replica (``replicas=``), not read
     seconds: float = 0.0
     quantization: Quantization | None = None  # the checkpoint's: dequantized on read, or FP8 weights kept
 
@@ -55,6 +57,7 @@ def load_checkpoint(
     record_reads: bool = False,
     progress: bool | None = None,
     strict: bool = True,
+    replicas: dist.ProcessGroup | None = None,
 ) -> LoadReport:
     """Fill ``model``'s parameters (plain, meta or DTensor) and persistent buffers from the checkpoint at ``path``.
 
@@ -64,6 +67,10 @@ def load_checkpoint(
     does not use raise :class:`CheckpointError` naming file, key and shapes, before anything is read; keys the
     model declares ignorable (transformers' ``_keys_to_ignore_on_load_unexpected``) are only reported. Tied
     weights are re-tied afterwards.
+
+    ``replicas``: a process group whose ranks hold identical local shards (HSDP's ``dp_replicate`` dimension).
+    Its first rank reads; the others receive every local tensor from it by broadcast, so the job reads each
+    checkpoint byte once instead of once per replica. A failed read raises on every rank of the group.
     """
     start = time.perf_counter()
     threads = threads or default_threads()
@@ -96,8 +103,9 @@ def load_checkpoint(
                                   f"{type(model).__name__}: {shown}{more} (strict=False to load anyway)")
         owners = _owners(model)
         jobs: list[tuple[Request, torch.Tensor]] = []
+        filled: dict[str, torch.Tensor] = {}
         for name, tensor in targets.items():
-            local = _materialize(owners, name, tensor, device)
+            local = filled[name] = _materialize(owners, name, tensor, device)
             box = local_box(local)
             covered = 0
             for source in sources[name]:
@@ -108,9 +116,11 @@ def load_checkpoint(
             if covered != _local(local).numel():
                 raise CheckpointError(f"{path}: the sources of {name} cover {covered} of its "
                                       f"{_local(local).numel()} local elements")
+        receives = replicas is not None and dist.get_world_size(replicas) > 1 and dist.get_rank(replicas) != 0
         show = progress if progress is not None else _rank() == 0
+        failed: BaseException | None = None
         with torch.no_grad(), ThreadPoolExecutor(threads) as pool, tqdm(
-            total=len(jobs), desc=f"loading {Path(path).name}", unit="tensor", disable=not show
+            total=len(jobs), desc=f"loading {Path(path).name}", unit="tensor", disable=not show or receives
         ) as bar:
 
             def run(job: tuple[Request, torch.Tensor]) -> None:
@@ -119,8 +129,16 @@ def load_checkpoint(
                     request.place(request.fetch(ckpt.read, to_ckpt[request.key]), local)
                 bar.update()
 
-            for _ in pool.map(run, jobs):
-                pass
+            try:
+                for _ in pool.map(run, [] if receives else jobs):
+                    pass
+            except Exception as e:  # noqa: BLE001 - the replicas must hear of it before they wait for the bytes
+                failed = e
+        received = 0
+        if replicas is not None and dist.get_world_size(replicas) > 1:
+            received = _broadcast_from_first(filled, replicas, failed, receives)
+        elif failed is not None:
+            raise failed
         if hasattr(model, "tie_weights"):
             model.tie_weights()
         if view.quantization is not None and not kept:  # plain weights now: it saves as a plain checkpoint
@@ -133,11 +151,37 @@ def load_checkpoint(
             unexpected=unexpected,
             reads=list(ckpt.reads),
             bytes_read=ckpt.bytes_read,
+            bytes_received=received,
             seconds=time.perf_counter() - start,
             quantization=view.quantization,
         )
     finally:
         ckpt.close()
+
+
+def _broadcast_from_first(targets: dict[str, torch.Tensor], group: dist.ProcessGroup, failed: BaseException | None,
+                          receives: bool) -> int:
+    """Send every local tensor of ``targets`` from the group's first rank (which read them) to the others; raise
+    on every rank of the group if the first rank's reads failed. Returns the bytes this rank received."""
+    status = torch.tensor([0 if failed is None else 1])
+    dist.broadcast(status, dist.get_global_rank(group, 0), group=group)
+    if failed is not None:
+        raise failed
+    if status.item():
+        raise CheckpointError(f"reading failed on rank {dist.get_global_rank(group, 0)}, which reads for its "
+                              "replicas (its own error names the file and key)")
+    source = dist.get_global_rank(group, 0)
+    received = 0
+    for tensor in targets.values():
+        local = _local(tensor).detach()
+        if local.numel() == 0:
+            continue
+        buffer = local if local.is_contiguous() else local.contiguous()
+        dist.broadcast(buffer, source, group=group)
+        if buffer is not local:
+            local.copy_(buffer)
+        received += local.numel() * local.element_size() if receives else 0
+    return received
 
 
 def default_threads() -> int:

@@ -17,7 +17,7 @@ from . import plans
 from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
 from .fp8 import keep_fp8_weights, place_scales
-from .fsdp import shard_data_parallel
+from .fsdp import divide_expert_gradients, shard_data_parallel
 from .hf_arguments import refuse, resolve
 from .input_check import check_inputs_on, check_mode
 from .loading import load_checkpoint
@@ -49,6 +49,7 @@ def from_pretrained(
     experts_column_major: bool = False,
     timeout: float | None = None,
     keep_quantized: bool = False,
+    read_once: bool | None = None,
     **hf_kwargs: Any,
 ) -> PreTrainedModel:
     """Load a Hugging Face MoE model tensor-parallel over ``device_mesh`` (or all ranks).
@@ -105,6 +106,16 @@ def from_pretrained(
     dequantized model within round-off, the FP8 weights cannot be trained, and ``save_pretrained`` writes the
     checkpoint's own format back. Other checkpoints, FSDP2 layouts and plans splitting an FP8 weight across its
     scale blocks are refused by name.
+
+    ``read_once`` (HSDP, ``dp_replicate_size`` > 1): replicas hold the same shards, so only the first replica
+    reads them and broadcasts each rank's shards to its peers of the other replicas over ``dp_replicate``: the job
+    reads each checkpoint byte once instead of once per replica. ``None`` (default): on when the job spans more
+    than one node (torchrun's ``LOCAL_WORLD_SIZE`` below ``WORLD_SIZE``), where replicas read through a shared
+    filesystem; off on one node, where the page cache serves every replica (bench/load.py measures both).
+    ``True`` without a ``dp_replicate`` dimension is refused.
+
+    With FSDP2, the model takes its final layout on the meta device (plan, then ``fully_shard``) before any byte
+    is read, and each rank reads exactly the box of each parameter it holds: FSDP's shard of its TP shard.
 
     ``hf_kwargs``: transformers' own ``from_pretrained`` arguments, honoured as there or refused by name
     (:mod:`hf_moe_tp.hf_arguments`, the README's table): ``dtype`` as a name or ``"auto"``,
@@ -168,14 +179,16 @@ def from_pretrained(
             generate_on_leader_state(model, mesh)
         model.hf_moe_tp_plan = plan
         model.hf_moe_tp_split_loss = split_loss(model, plan, keep_split_in_training=loss_parallel)
+        if layout.dp is not None:  # the final layout first, on the meta device: each rank reads its FSDP shards
+            shard_data_parallel(model, layout.dp, mp_policy=mp_policy, offload_policy=offload_policy)
         model.hf_moe_tp_load = load_checkpoint(model, path, threads=threads, record_reads=record_reads,
-                                               strict=args.strict)
+                                               strict=args.strict, replicas=_replicas(layout, read_once))
         if args.generation_config is not None:
             model.generation_config = args.generation_config
         elif (path / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(path)
         if layout.dp is not None:
-            shard_data_parallel(model, layout.dp, mp_policy=mp_policy, offload_policy=offload_policy)
+            divide_expert_gradients(model)
         bind_save_pretrained(model)
         declare_layout(model, layout)  # to transformers' Trainer and accelerate
         explain_collective_failures(model, [mesh, ep_mesh, layout.dp], timeout)
@@ -219,6 +232,18 @@ def _plan(model: nn.Module, plan, mesh: DeviceMesh, ep_size: int | None = None) 
     if isinstance(plan, dict):
         return plans.resolve_plan(plan)
     raise ValueError(f"tp_plan must be 'auto', None or a dict of module names to styles, got {plan!r}")
+
+
+def _replicas(layout, read_once: bool | None) -> dist.ProcessGroup | None:
+    """The ``dp_replicate`` group whose first rank reads for the others, or None (every rank reads its own)."""
+    dp = layout.dp
+    hsdp = dp is not None and dp.ndim == 2 and dp.size(0) > 1
+    if read_once and not hsdp:
+        raise ValueError("read_once=True needs replicas: dp_replicate_size > 1 (HSDP) or a device_mesh with a "
+                         "'dp_replicate' dimension larger than 1")
+    if read_once is None:
+        read_once = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) < dist.get_world_size()
+    return dp.get_group(0) if hsdp and read_once else None
 
 
 def _casts(policy: MixedPrecisionPolicy | None) -> bool:

@@ -15,6 +15,10 @@ import hf_moe_tp
 from hf_moe_tp import GroupedExperts
 
 FP32_TOL = 2e-5
+# After a training step the logits differ from the reference by round-off in the step itself, which grows with
+# how far the step moved them (the machine's BLAS and summation order decide the last bits): the bound is
+# max(FP32_TOL, STEP_RTOL * the step's largest move of a logit).
+STEP_RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +109,7 @@ def _compare_with_transformers(path: str):
         "loss": abs(loss.item() - ref_loss.item()),
         "logits_after_step": (after - ref_after).abs().max().item(),
         "logits_scale": ref_after.abs().max().item(),
+        "step_effect": (ref_after - ref_logits).abs().max().item(),
         "expert_placements": placements,
         "router_placements": routers,
         "plain_params": plain,
@@ -141,8 +146,9 @@ def _check(results):
     for r in results:
         assert r["logits"] <= FP32_TOL, r["logits"]
         assert r["tokens_equal"]
-        assert r["loss"] <= FP32_TOL and r["logits_after_step"] <= FP32_TOL, (
-            r["loss"], r["logits_after_step"], r["logits_scale"])
+        assert r["loss"] <= FP32_TOL, r["loss"]
+        assert r["logits_after_step"] <= max(FP32_TOL, STEP_RTOL * r["step_effect"]), (
+            r["logits_after_step"], r["step_effect"], r["logits_scale"])
         assert r["expert_placements"], "no GroupedExperts"
         for placements in r["expert_placements"].values():
             assert placements["w1"] == (Shard(2),) and placements["w3"] == (Shard(2),)
