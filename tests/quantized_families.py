@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -147,3 +148,16 @@ def _set_quantization_config(path: Path, qc: dict, dtype: torch.dtype | None = N
     if dtype is not None:
         config["dtype"] = str(dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def save_dequantized_copy(src: Path, dst: Path) -> Path:
+    """The FP8 checkpoint ``src`` dequantized here (codes times their block's scale) as a plain one at ``dst``."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    block = tuple(config.pop("quantization_config")["weight_block_size"])
+    (dst / "config.json").write_text(json.dumps(config))
+    state = load_file(dst / "model.safetensors")
+    plain = {k: (fp8_dequantize(v, state[f"{k}_scale_inv"], block) if f"{k}_scale_inv" in state else v)
+             for k, v in state.items() if not k.endswith("_scale_inv")}
+    save_file(plain, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from families import save_family
+from families import reference_expert_weights, save_family
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import AutoModelForCausalLM
 
@@ -64,7 +64,7 @@ def _compare_with_transformers(path: str):
     ref_params = dict(ref.named_parameters())
     for name, module in model.named_modules():
         if isinstance(module, GroupedExperts):
-            for pname, tensor in _full_expert_weights(ref_params, name, module).items():
+            for pname, tensor in reference_expert_weights(ref_params, name, module).items():
                 local = getattr(module, pname)
                 box = hf_moe_tp.loading.local_box(local)
                 expected = tensor[tuple(slice(a, b) for a, b in box)]
@@ -119,21 +119,6 @@ def _compare_with_transformers(path: str):
         "world": world,
         "unexpected": report.unexpected,
     }
-
-
-def _full_expert_weights(ref_params: dict, name: str, module: GroupedExperts) -> dict[str, torch.Tensor]:
-    """w1/w3/w2 (+ biases) of expert module ``name`` rebuilt from transformers' own packed parameters."""
-    layout, i = module.checkpoint_layout, module.hidden
-    gate_up = ref_params[f"{name}.gate_up_proj"].detach()
-    down = ref_params[f"{name}.down_proj"].detach()
-    if not layout.transposed:  # to (E, H, 2I) and (E, I, H)
-        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    halves = (slice(0, i), slice(i, 2 * i)) if layout.concatenated else (slice(0, None, 2), slice(1, None, 2))
-    full = {"w1": gate_up[..., halves[0]], "w3": gate_up[..., halves[1]], "w2": down}
-    if layout.bias:
-        bias = ref_params[f"{name}.gate_up_proj_bias"].detach()
-        full.update(b1=bias[..., halves[0]], b3=bias[..., halves[1]], b2=ref_params[f"{name}.down_proj_bias"].detach())
-    return full
 
 
 def _ckpt_shape(path, key):

@@ -19,7 +19,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from families import COMMON, configs
-from quantized_families import fp8_dequantize, fp8_quantize, mxfp4_dequantize, mxfp4_quantize, save_fp8, save_mxfp4
+from quantized_families import (
+    fp8_dequantize,
+    fp8_quantize,
+    mxfp4_dequantize,
+    mxfp4_quantize,
+    save_dequantized_copy,
+    save_fp8,
+    save_mxfp4,
+)
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config, GptOssConfig, Mxfp4Config
 
@@ -53,25 +61,13 @@ def quantized(tmp_path_factory):
             elif kind == "fp8-packed":  # 3-D expert tensors with 3-D scales (transformers' FP8 experts)
                 path = save_fp8(configs(uneven=True)["deepseek_v3"], root / kind, (16, 16), packed=True)
             elif kind.endswith("-plain"):  # its values, dequantized here, as a plain fp32 checkpoint
-                path = _dequantized_copy(Path(get(kind.removesuffix("-plain"))), root / kind)
+                path = save_dequantized_copy(Path(get(kind.removesuffix("-plain"))), root / kind)
             elif kind == "mxfp4":
                 path = save_mxfp4(gpt_oss_config(), root / kind)
             cache[kind] = str(path)
         return cache[kind]
 
     return get
-
-
-def _dequantized_copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    config = json.loads((dst / "config.json").read_text())
-    block = tuple(config.pop("quantization_config")["weight_block_size"])
-    (dst / "config.json").write_text(json.dumps(config))
-    state = load_file(dst / "model.safetensors")
-    plain = {k: (fp8_dequantize(v, state[f"{k}_scale_inv"], block) if f"{k}_scale_inv" in state else v)
-             for k, v in state.items() if not k.endswith("_scale_inv")}
-    save_file(plain, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
 
 
 def _reference(path: str, reference: str, dtype: torch.dtype = torch.float32):

@@ -119,6 +119,7 @@ def check(results: list[dict]) -> None:
 
 
 LAYOUTS = {
+    "dp4": dict(fsdp_size=4),  # pure FSDP: every parameter sharded over all ranks
     "dp2_tp2": dict(fsdp_size=2),
     "dp2_ep2": dict(fsdp_size=2, ep_size=2),
     "dp_replicate2_tp2": dict(dp_replicate_size=2),

@@ -1,0 +1,112 @@
+"""Loading at training layouts (4 gloo ranks): the model takes its final FSDP x TP (x EP) layout on the meta
+device first, so every rank reads exactly the boxes it holds. Each local shard equals its slice of transformers'
+own model on the same files (fp32, exact), and bytes read per rank stay within what it holds plus 2%. Training
+steps at these layouts against one process: tests/test_training.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from families import configs, reference_expert_weights, save_family
+from quantized_families import save_dequantized_copy, save_fp8
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+import hf_moe_tp
+from hf_moe_tp import GroupedExperts
+from hf_moe_tp.loading import local_box
+
+LAYOUTS = {
+    "tp4": {},
+    "dp4": dict(fsdp_size=4),
+    "dp2_tp2": dict(fsdp_size=2),
+    "dp2_ep2": dict(fsdp_size=2, ep_size=2),
+    "dp_replicate2_dp2": dict(dp_replicate_size=2, fsdp_size=2, read_once=False),
+    "dp_replicate2_dp2_read_once": dict(dp_replicate_size=2, fsdp_size=2, read_once=True),
+}
+ALIGNMENT = 0.02  # reads beyond what a rank holds: quantized blocks a shard cuts, read on both sides
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("load_layouts")
+    made: dict[str, tuple[str, str]] = {}
+
+    def get(kind: str) -> tuple[str, str]:
+        """(checkpoint, reference checkpoint transformers loads) for ``kind``."""
+        if kind not in made:
+            if kind == "fp8":  # expert hidden 22 in blocks of 16: shards cut blocks
+                path = save_fp8(configs(uneven=True)["deepseek_v3"], root / kind, (16, 16))
+                made[kind] = (str(path), str(save_dequantized_copy(path, root / f"{kind}-plain")))
+            else:
+                path = str(save_family(kind, root, uneven=True))
+                made[kind] = (path, path)
+        return made[kind]
+
+    return get
+
+
+def _reference_tensors(model, reference: str) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model``'s state dict, whole, from transformers' own model of ``reference``."""
+    ref = AutoModelForCausalLM.from_pretrained(reference, experts_implementation="eager")
+    params = dict(ref.named_parameters())
+    out = {**dict(ref.named_buffers()), **params}
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            out.update({f"{name}.{k}": v for k, v in reference_expert_weights(params, name, module).items()})
+    return out
+
+
+def _load(path: str, reference: str, kwargs: dict) -> dict:
+    model = hf_moe_tp.from_pretrained(path, **kwargs)
+    expected = _reference_tensors(model, reference)
+    wrong, held, seen = [], 0, set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        held += local.numel() * local.element_size()
+        whole = expected[name].detach()
+        if not torch.equal(local, whole[tuple(slice(a, b) for a, b in local_box(tensor))]):
+            wrong.append(name)
+    report = model.hf_moe_tp_load
+    return {"wrong": wrong, "held": held, "read": report.bytes_read, "received": report.bytes_received,
+            "rank": dist.get_rank(), "checkpoint": sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))}
+
+
+def _check(results: list[dict], layout: str) -> None:
+    for r in results:
+        assert r["wrong"] == [], r
+        if layout.endswith("read_once") and r["rank"] >= len(results) // 2:  # the second replica (outermost dim)
+            # receives what the first read
+            assert r["read"] == 0 and r["received"] == r["held"], r
+        else:
+            assert r["read"] <= r["held"] * (1 + ALIGNMENT), r
+    if layout in ("dp4", "dp_replicate2_dp2", "dp_replicate2_dp2_read_once"):  # TP 1: FSDP shards alone, so the
+        # job reads the checkpoint once per replica that reads (replicated small tensors aside)
+        replicas = 2 if layout == "dp_replicate2_dp2" else 1
+        assert sum(r["read"] for r in results) <= replicas * results[0]["checkpoint"] * (1 + ALIGNMENT), results
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_each_rank_reads_its_final_shard(ranks, checkpoints, kind, layout):
+    _check(ranks(4).run(_load, *checkpoints(kind), LAYOUTS[layout]), layout)
+
+
+def test_hsdp_with_tp_on_8_ranks(ranks, checkpoints):
+    """dp_replicate 2 x dp_shard 2 x tp 2, the first replica reading for both."""
+    layout = "dp_replicate2_dp2_tp2_read_once"
+    _check(ranks(8).run(_load, *checkpoints("deepseek_v3"), dict(dp_replicate_size=2, fsdp_size=2, read_once=True)),
+           layout)
+
+
+@pytest.mark.parametrize("layout", ["dp2_tp2", "dp4"])
+def test_fp8_dequantized_into_fsdp_shards(ranks, checkpoints, layout):
+    """FP8 weights dequantized on read cut along FSDP's shards as along TP's: blocks a shard cuts are read on both
+    sides, nothing else."""
+    _check(ranks(4).run(_load, *checkpoints("fp8"), LAYOUTS[layout]), layout)
