@@ -5,7 +5,15 @@ shaped, the hub's Qwen3-*-FP8 layout: per-expert e4m3 weights with 128 x 128 blo
 ``FineGrainedFP8Config(dequantize=True)``, and loaded keeping its FP8 weights (``keep_quantized=True``: the
 params column then counts FP8 weights, their scales and the bf16 rest).
 
-    python bench/load.py [--tp 2] [--repeats 5] [--only plain|fp8] [--dir ~/.cache/hf_moe_tp/bench-mixtral-1.5g]
+    python bench/load.py [--tp 2] [--repeats 5] [--only plain|fp8|layouts] [--dir ~/.cache/hf_moe_tp/bench-mixtral-1.5g]
+
+``--only layouts`` loads the same fp32 checkpoint on 4 ranks at the training layouts (TP 4, dp_shard 4,
+dp_shard 2 x tp 2, dp_replicate 2 x dp_shard 2 with and without ``read_once``, dp_shard 2 x ep 2) and prints,
+per layout, the bytes each rank read and received and the parameters it holds (both against the checkpoint's
+size), the sum of bytes read over the job, and the private-memory growth of the load against the rank's shard;
+beside dp_shard 2 x tp 2, the path before the final-shard loader (load at TP 2, then ``fully_shard``) and torch
+DCP's HF reader into DTensors of the checkpoint's own tensors placed the same way (FSDP's dim 0 over dp inside
+each TP shard), timed in the same rotation. Each figure is a second load in the same processes (the first pays imports).
 
 Makes the checkpoint once (hub per-expert format written by save_pretrained, several shard files with an
 index), then loads it ``--repeats`` times with each loader, every load in fresh processes, the loaders
@@ -132,7 +140,7 @@ def load_transformers(path: str) -> dict:
     return measure(load)
 
 
-def load_dcp(path: str) -> dict:
+def load_dcp(path: str, dp: int = 1) -> dict:
     import json
 
     import torch.distributed as dist
@@ -142,7 +150,8 @@ def load_dcp(path: str) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor import empty as dtensor_empty
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    tp = dist.get_world_size() // dp
+    mesh = init_device_mesh("cpu", (dp, tp)) if dp > 1 else init_device_mesh("cpu", (tp,))
     index = json.loads((Path(path) / "model.safetensors.index.json").read_text())["weight_map"]
     from safetensors import safe_open
 
@@ -160,7 +169,8 @@ def load_dcp(path: str) -> dict:
         return Replicate()
 
     def load():
-        state = {k: dtensor_empty(*shape, device_mesh=mesh, placements=[placement(k)]) for k, shape in shapes.items()}
+        state = {k: dtensor_empty(*shape, device_mesh=mesh, placements=([Shard(0)] if dp > 1 else []) + [placement(k)])
+                 for k, shape in shapes.items()}
         dcp.load(state, storage_reader=HuggingFaceStorageReader(path))
         return state, sum(t.to_local().numel() * t.element_size() for t in state.values())
 
@@ -239,6 +249,93 @@ FP8_LOADERS = {
 }
 
 
+LAYOUTS = {
+    "tp 4": {},
+    "dp_shard 4": dict(fsdp_size=4),
+    "dp_shard 2 x tp 2": dict(fsdp_size=2),
+    "dp_rep 2 x dp_shard 2": dict(dp_replicate_size=2, fsdp_size=2, read_once=False),
+    "dp_rep 2 x dp_shard 2 read_once": dict(dp_replicate_size=2, fsdp_size=2, read_once=True),
+    "dp_shard 2 x ep 2": dict(fsdp_size=2, ep_size=2),
+}
+
+
+def load_layout(path: str, kwargs: dict) -> dict:
+    """One load at the layout ``kwargs`` give; the report's bytes beside the measurement."""
+    import hf_moe_tp
+
+    report = {}
+
+    def load():
+        model = hf_moe_tp.from_pretrained(path, **kwargs)
+        report.update(read=model.hf_moe_tp_load.bytes_read, received=model.hf_moe_tp_load.bytes_received)
+        return model, sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+
+    return {**measure(load), **report}
+
+
+def load_tp_then_shard(path: str) -> dict:
+    """The path before the final-shard loader: each rank reads its TP 2 slice whole, then FSDP2 shards it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import hf_moe_tp
+    from hf_moe_tp.fsdp import shard_data_parallel
+
+    def load():
+        mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
+        model = hf_moe_tp.from_pretrained(path, device_mesh=mesh["tp"])
+        shard_data_parallel(model, mesh["dp"])
+        return model, sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+
+    return measure(load)
+
+
+def load_dcp_fsdp(path: str) -> dict:
+    """torch DCP's HF reader into DTensors of the checkpoint's own tensors on a (dp 2, tp 2) mesh: TP placed as
+    :func:`load_dcp`, dim 0 sharded over dp (FSDP's shard, before TP's where both split dim 0)."""
+    return load_dcp(path, dp=2)
+
+
+def second_load(fn, *args) -> dict:
+    """``fn``'s measurement of a second load in the same processes: the first pays one-time imports and set-up
+    (transformers' model modules, the plan's classes), which are start-up, not loading. The first load's memory
+    is collected in between (a model's hooks hold reference cycles), so neither load finds the other's pages."""
+    import gc
+
+    fn(*args)
+    gc.collect()
+    return fn(*args)
+
+
+def run_layouts(path: Path, size: int, repeats: int) -> None:
+    """Every layout in :data:`LAYOUTS` on 4 ranks, ``repeats`` times in rotation with the two references."""
+    print(f"checkpoint {path} (fp32): {size / 2**30:.2f} GiB; 4 ranks; median of {repeats} loads, each the second "
+          f"in fresh processes, interleaved")
+    loaders = {name: (load_layout, (kwargs,)) for name, kwargs in LAYOUTS.items()}
+    loaders["dp_shard 2 x tp 2, old: TP then shard"] = (load_tp_then_shard, ())
+    loaders["dp_shard 2 x tp 2, torch DCP reader"] = (load_dcp_fsdp, ())
+    runs: dict[str, list[list[dict]]] = {name: [] for name in loaders}
+    for _ in range(repeats):
+        for name, (fn, extra) in loaders.items():
+            runs[name].append(run_on_ranks(second_load, 4, fn, str(path), *extra, timeout=900))
+    print(f"{'layout':<38} {'wall s':>7} {'read/ckpt':>10} {'recv/ckpt':>10} {'held/ckpt':>10} {'job read':>9} "
+          f"{'private growth/held':>20}")
+    medians = {}
+    for name, rs in runs.items():
+        per_rank = [{k: statistics.median(run[r][k] for run in rs) for k in rs[0][r]} for r in range(4)]
+        medians[name] = per_rank
+        worst = max(per_rank, key=lambda m: m["wall_s"])
+        read = [m.get("read", float("nan")) / size for m in per_rank]
+        held = [m["local_param_mib"] * 2**20 / size for m in per_rank]
+        growth = max(m["anon_growth_mib"] / m["local_param_mib"] for m in per_rank)
+        print(f"{name:<38} {worst['wall_s']:>7.2f} {max(read):>10.3f} "
+              f"{max(m.get('received', 0) for m in per_rank) / size:>10.3f} {max(held):>10.3f} {sum(read):>9.3f} "
+              f"{growth:>20.2f}")
+    ours = max(m["wall_s"] for m in medians["dp_shard 2 x tp 2"])
+    for ref in ("dp_shard 2 x tp 2, old: TP then shard", "dp_shard 2 x tp 2, torch DCP reader"):
+        print(f"dp_shard 2 x tp 2 / {ref}: wall {ours / max(m['wall_s'] for m in medians[ref]):.2f}x (slowest rank)")
+
+
 def run_table(loaders: dict, path: Path, size: int, tp: int, repeats: int, what: str) -> None:
     """Load ``path`` ``repeats`` times with each loader (fresh processes, interleaved); print per-rank medians and
     hf_moe_tp's wall-time ratio to each other loader."""
@@ -272,10 +369,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--only", choices=["plain", "fp8"], default=None, help="run one of the two checkpoints")
+    p.add_argument("--only", choices=["plain", "fp8", "layouts"], default=None,
+                   help="run one of the tables (layouts: only with --only)")
     p.add_argument("--dir", type=Path, default=Path.home() / ".cache/hf_moe_tp/bench-mixtral-1.5g")
     p.add_argument("--fp8-dir", type=Path, default=Path.home() / ".cache/hf_moe_tp/bench-qwen3-moe-fp8")
     args = p.parse_args()
+    if args.only == "layouts":
+        run_layouts(args.dir, make_checkpoint(args.dir), args.repeats)
+        return
     if args.only != "fp8":
         run_table(LOADERS, args.dir, make_checkpoint(args.dir), args.tp, args.repeats, "fp32")
     if args.only != "plain":

@@ -29,11 +29,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     inspect = commands.add_parser(
         "inspect", help="show family, adapter, plan and per-rank bytes of a checkpoint, reading no weights",
-        description="Read a checkpoint's config and safetensors headers (no weights), build the model on the meta "
-        "device and apply the tensor-parallel plan for --tp ranks; print the detected family and adapter, the "
-        "resolved plan and the bytes each rank would hold.")
-    inspect.add_argument("path", help="checkpoint folder (config.json + safetensors)")
+        description="Read a checkpoint's config and safetensors headers (no weights; or a config alone), build the "
+        "model on the meta device and place it on its final layout (--tp, --ep, then FSDP2 over --fsdp x "
+        "--dp-replicate) on a fake process group; print the detected family and adapter, the resolved plan and, "
+        "per rank, the parameter bytes held, the bytes read at load, the peak load memory and AdamW's state.")
+    inspect.add_argument("path", help="checkpoint folder (config.json + safetensors), or a config alone (a folder "
+                         "with config.json, or the file)")
     inspect.add_argument("--tp", type=int, default=2, help="tensor-parallel size to plan for (default 2)")
+    inspect.add_argument("--fsdp", type=int, default=1, help="FSDP2 (dp_shard) size (default 1)")
+    inspect.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (default 1)")
+    inspect.add_argument("--ep", type=int, default=None,
+                         help="expert parallelism: equal to --tp, or with --tp 1 equal to --fsdp (default: off)")
 
     generate = commands.add_parser(
         "generate", help="generate from a checkpoint, tensor-parallel (greedy, or sampled with --sample)",
@@ -64,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "inspect":
         from .inspection import inspect_checkpoint, print_inspection
 
-        print_inspection(inspect_checkpoint(args.path, args.tp), args.tp)
+        print_inspection(inspect_checkpoint(args.path, args.tp, fsdp=args.fsdp, ep=args.ep,
+                                            dp_replicate=args.dp_replicate))
         return 0
     from .generation import generate_on_ranks, generate_rank
 

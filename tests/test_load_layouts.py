@@ -110,3 +110,50 @@ def test_fp8_dequantized_into_fsdp_shards(ranks, checkpoints, layout):
     """FP8 weights dequantized on read cut along FSDP's shards as along TP's: blocks a shard cuts are read on both
     sides, nothing else."""
     _check(ranks(4).run(_load, *checkpoints("fp8"), LAYOUTS[layout]), layout)
+
+
+# ---- hf-moe-tp inspect at these layouts: predicted from the headers, equal to what the ranks did --------------
+
+INSPECT = {"dp2_tp2": dict(tp=2, fsdp=2), "dp4": dict(tp=1, fsdp=4), "dp2_ep2": dict(tp=2, fsdp=2, ep=2),
+           "dp_replicate2_dp2": dict(tp=1, fsdp=2, dp_replicate=2)}
+
+
+def _held_and_read(path: str, kwargs: dict) -> tuple[int, int]:
+    model = hf_moe_tp.from_pretrained(path, **kwargs)
+    held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    return held, model.hf_moe_tp_load.bytes_read
+
+
+@pytest.mark.parametrize("layout", sorted(INSPECT))
+def test_inspect_predicts_each_ranks_shards_and_reads(ranks, checkpoints, layout):
+    """inspect's per-rank parameter bytes and bytes read (FP8 checkpoint: blocks a shard cuts counted on both
+    sides) equal what each rank of the real load holds and reads, at every layout."""
+    from hf_moe_tp.inspection import inspect_checkpoint
+
+    path = checkpoints("fp8")[0]
+    report = inspect_checkpoint(path, **INSPECT[layout])
+    real = ranks(4).run(_held_and_read, path, LAYOUTS[layout])
+    assert report.rank_bytes == [held for held, _ in real]
+    assert report.rank_disk_bytes == [read for _, read in real]
+    assert report.rank_optimizer_bytes == [2 * held for held, _ in real]
+    assert all(peak > held for peak, held in zip(report.rank_peak_load_bytes, report.rank_bytes, strict=True))
+
+
+def test_inspect_a_config_alone_at_training_scale(tmp_path):
+    """A config without weights (no download) at dp_shard 8 x tp 8: every rank holds about 1/64 of the model,
+    reads what it holds, and the job reads the model once."""
+    from transformers import Qwen3MoeConfig
+
+    from hf_moe_tp.inspection import inspect_checkpoint
+
+    config = Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                            num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8, head_dim=8,
+                            num_experts=8, num_experts_per_tok=2)  # every split divides by 8
+    config.save_pretrained(tmp_path)
+    report = inspect_checkpoint(tmp_path / "config.json", 8, fsdp=8)
+    assert not report.weights and report.layout == {"dp_shard": 8, "tp": 8}
+    assert report.rank_disk_bytes is not None and len(report.rank_bytes) == 64
+    # norms are replicated inside each TP group (FSDP-sharded over dp_shard): a little over 1/64 per rank
+    assert max(report.rank_bytes) <= report.total_bytes / 64 * 1.05, (max(report.rank_bytes), report.total_bytes)
+    assert all(read >= held for read, held in zip(report.rank_disk_bytes, report.rank_bytes, strict=True))
+    assert report.total_bytes <= sum(report.rank_disk_bytes) <= report.total_bytes * 1.05
