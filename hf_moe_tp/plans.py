@@ -44,6 +44,23 @@ HF_STYLES = {
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
     "embedding_rowwise": lambda: VocabParallelEmbedding(),
     "replicated_with_grad_allreduce": lambda: LocalParams(),
+    # transformers 5.25: query/key/value projections that "own at least one head" per rank, replicating head
+    # groups where the heads do not divide. Where they divide that is plain column/row-wise; where they do not,
+    # ``_divides`` keeps the whole attention replicated, as for every other family.
+    "unit_colwise": lambda: ColumnParallel(),
+    "unit_rowwise": lambda: RowParallel(),
+}
+# transformers' plan names we read elsewhere or deliberately leave whole (each module then a replicated DTensor,
+# which computes what one process computes): anything else in a family's plan is refused by name, since skipping
+# one projection of a split attention (say its key/value) would compute silently wrong numbers.
+HF_STYLES_HANDLED_ELSEWHERE = {
+    "mla_kv_a_proj": "hf_plan.mla_entries",
+    "local_params": "hf_plan.local_params_entries",
+    "replicate": "kept whole, as transformers keeps it",
+    "embedding_colwise": "kept whole: a whole embedding gives the same output",
+    # expert entries: experts are GroupedExperts under our own styles
+    "moe_tp_experts": "experts", "packed_colwise": "experts", "packed_rowwise": "experts",
+    "grouped_gemm": "experts", "ep_dispatch_experts": "experts",
 }
 # Our styles by name, so plans can be written as strings too (and registered in transformers' ParallelInterface).
 STYLE_NAMES = {
@@ -80,7 +97,14 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, 
     modules = dict(model.named_modules())
     plan: dict[str, ParallelStyle] = {}
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    for pattern, style_name in (getattr(model, "_tp_plan", None) or {}).items():
+    family_plan = getattr(model, "_tp_plan", None) or {}
+    unknown = {p: st for p, st in family_plan.items() if st not in HF_STYLES and st not in HF_STYLES_HANDLED_ELSEWHERE}
+    if unknown and tp_size is not None and tp_size > 1:
+        model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise NotImplementedError(f"{model_type}: transformers' tensor-parallel plan uses style(s) hf_moe_tp does not "
+                                  f"translate: {unknown}; splitting the rest would compute wrong numbers. Load it "
+                                  f"with tp_plan=None (replicated), or add a translation in hf_moe_tp/plans.py")
+    for pattern, style_name in family_plan.items():
         if style_name not in HF_STYLES:
             continue
         for name in _match(pattern, modules):
