@@ -7,6 +7,7 @@ from .experts import ExpertActivation, GroupedExperts
 from .grouped_mm import grouped_mm
 from .install import install, uninstall
 from .loading import LoadReport, load_checkpoint
+from .meshes import data_parallel_rank
 from .plans import apply_plan, tp_plan
 from .pretrained import from_pretrained
 from .saving import save_pretrained
@@ -21,6 +22,7 @@ __all__ = [
     "NoParallel",
     "TensorParallel",
     "apply_plan",
+    "data_parallel_rank",
     "from_pretrained",
     "grouped_mm",
     "install",

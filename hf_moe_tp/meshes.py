@@ -99,6 +99,21 @@ def resolve_layout(device_mesh: DeviceMesh | None = None, ep_size: int | None = 
     return Layout(tp, None, dp)
 
 
+def data_parallel_rank(model) -> tuple[int, int]:
+    """``(index, count)``: which of the data-parallel batches this rank of a loaded ``model`` takes, and how many
+    there are, on every layout: 0 of 1 at TP or EP over the TP ranks; the ``dp_shard`` coordinate under FSDP;
+    ``replicate * shard_size + shard`` under HSDP (the data-parallel mesh is 2-D there); the ``ep`` coordinate on
+    an ``(ep, tp)`` mesh, whose ep ranks hold different batches. Ranks of one TP group get the same index."""
+    dp = getattr(model, "hf_moe_tp_dp_mesh", None)
+    if dp is None:
+        ep = getattr(model, "hf_moe_tp_ep_mesh", None)
+        return (ep.get_local_rank("ep"), ep["ep"].size()) if ep is not None else (0, 1)
+    coordinate = dp.get_coordinate()
+    if dp.ndim == 1:
+        return coordinate[0], dp.size()
+    return coordinate[0] * dp.size(1) + coordinate[1], dp.size()
+
+
 def _data_parallel_mesh(ep_size: int | None, fsdp_size: int, dp_replicate_size: int) -> DeviceMesh:
     init_process_group()
     world = dist.get_world_size()

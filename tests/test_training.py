@@ -37,17 +37,6 @@ def batches(vocab: int, steps: int = STEPS, rows: int = 4) -> list[torch.Tensor]
     return [torch.randint(0, vocab, (rows, 12), generator=g) for _ in range(steps)]
 
 
-def data_parallel_rank(model) -> tuple[int, int]:
-    """(this rank's data-parallel coordinate, number of data-parallel batches) of a loaded model."""
-    dp = getattr(model, "hf_moe_tp_dp_mesh", None)
-    if dp is None:
-        ep = model.hf_moe_tp_ep_mesh
-        return (ep.get_local_rank("ep"), ep["ep"].size()) if ep is not None else (0, 1)
-    coordinate = dp.get_coordinate()
-    index = coordinate[0] if dp.ndim == 1 else coordinate[0] * dp.size(1) + coordinate[1]
-    return index, dp.size()
-
-
 def layout_model(path: str, kwargs: dict):
     """``from_pretrained`` at the layout ``kwargs`` give; ``mesh=((name, size), ...)`` is built here, on the
     ranks (a DeviceMesh does not travel to them)."""
@@ -62,7 +51,7 @@ def layout_model(path: str, kwargs: dict):
 
 def run_steps(model, opt, steps: list[torch.Tensor]) -> tuple[list[float], list[float]]:
     """AdamW steps with clip_grad_norm_, each data-parallel rank on its rows: per-step global loss, total norm."""
-    index, count = data_parallel_rank(model)
+    index, count = hf_moe_tp.data_parallel_rank(model)
     losses, norms = [], []
     for ids in steps:
         mine = ids.chunk(count)[index]
@@ -410,7 +399,7 @@ def test_experts_column_major_option(ranks, checkpoints):
 def _inference_after_fsdp(path: str) -> dict:
     """Forwards without gradients (evaluation, generate) on an FSDP2 x TP model, one after another."""
     model = layout_model(path, LAYOUTS["dp2_tp2"]).eval()
-    index, count = data_parallel_rank(model)
+    index, count = hf_moe_tp.data_parallel_rank(model)
     ids = batches(model.config.vocab_size, 1, rows=4)[0].chunk(count)[index]
     with torch.no_grad():
         logits = [model(ids).logits for _ in range(2)]
