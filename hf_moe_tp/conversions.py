@@ -22,6 +22,7 @@ from transformers.core_model_loading import (
     Concatenate,
     Interleave,
     Split,
+    Transpose,
     WeightConverter,
     WeightRenaming,
     rename_source_key,
@@ -133,7 +134,19 @@ def _converted_sources(model: nn.Module, converters: list[WeightConverter], targ
     for (index, target), pieces in groups.items():
         conv = converters[index]
         op = conv.operations[0]
-        if isinstance(op, Concatenate):  # several checkpoint tensors -> one parameter, in source-pattern order
+        if isinstance(op, Transpose):  # one checkpoint tensor stored (in, out): the parameter reads it transposed
+            if target not in targets:
+                continue
+            name = pieces[0][1]
+            shape, want = tuple(shapes[name]), tuple(targets[target].shape)
+            if op.check_dims and shape == want:  # transformers transposes only where the shapes differ
+                out[target] = [identity(name, shape)]
+                continue
+            perm = list(range(len(shape)))
+            d0, d1 = op.dim0 % len(shape), op.dim1 % len(shape)
+            perm[d0], perm[d1] = perm[d1], perm[d0]
+            out[target] = [Source(name, tuple(Axis(d) for d in perm), shape)]
+        elif isinstance(op, Concatenate):  # several checkpoint tensors -> one parameter, in source-pattern order
             if target not in targets:
                 continue
             dim = op.dim % len(targets[target].shape)
@@ -167,10 +180,13 @@ def _converted_sources(model: nn.Module, converters: list[WeightConverter], targ
 
 
 def _readable(ops: list) -> bool:
-    """Whether ``ops`` fuse or split tensors in a way a rank can read piece by piece: one ``Concatenate``,
-    ``Split`` or ``Chunk`` (a fixed number of pieces), or a ``Chunk``/``Split`` after an ``Interleave`` along the
+    """Whether ``ops`` fuse or split tensors in a way a rank can read piece by piece: one ``Transpose`` (Ergo's
+    router and shared expert, stored (in, out)), one ``Concatenate``, ``Split`` or ``Chunk`` (a fixed number of
+    pieces), or a ``Chunk``/``Split`` after an ``Interleave`` along the
     same dim (Inkling's ``shared_w13_weight``: gate and up rows alternate in the checkpoint)."""
     last = ops[-1] if ops else None
+    if len(ops) == 1 and type(last) is Transpose:
+        return True
     if type(last) not in (Concatenate, Split, Chunk) or getattr(last, "num_shards_attribute", None) is not None:
         return False
     if len(ops) == 1:

@@ -53,6 +53,14 @@ class Adapter:
         return hasattr(module, "has_gate") and hasattr(module, "down_proj") and not isinstance(module, GroupedExperts)
 
     def layout(self, module: nn.Module) -> ExpertLayout:
+        """The layout transformers' ``@use_experts_implementation`` flags describe. A class that overrides the
+        decorated forward (Ergo's per-route expert norm around it) computes something the flags do not say: it is
+        refused by name, since GroupedExperts would silently compute the decorated forward alone."""
+        own = _own_forward(type(module))
+        if own is not None:
+            raise NotImplementedError(f"{type(module).__name__} overrides the forward of transformers' decorated "
+                                      f"experts ({own.__qualname__}): the generic adapter maps only the decorated "
+                                      f"layout; this family needs an adapter in model_patches/")
         gated = module.has_gate
         up = module.gate_up_proj if gated else module.up_proj
         num_experts, *rest = up.shape
@@ -117,6 +125,15 @@ class Adapter:
             if f"{prefix}.0.{names[-1]}.weight" in shapes:
                 return per_expert_sources(prefix, layout, names, shapes)
         return {}
+
+
+def _own_forward(cls: type) -> Callable | None:
+    """``cls.forward`` where it is not the forward of transformers' ``@use_experts_implementation`` wrapper."""
+    from transformers.integrations import moe
+
+    forward = getattr(cls, "forward", None)
+    code = getattr(forward, "__code__", None)
+    return None if code is None or code.co_filename == moe.__file__ else forward
 
 
 def packed_sources(prefix: str, layout: ExpertLayout, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[Source]]:
