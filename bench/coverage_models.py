@@ -95,6 +95,12 @@ def discover() -> list[Family]:
 FAMILY_CONFIG: dict[str, dict] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # no default: a short-conv and an attention layer
     "zaya": {"num_experts_per_tok": 1},
+    # Step3p7's text config (model_type step3p5) builds a sliding mask even with full-attention layers
+    "step3p5": {"sliding_window": 8},
+    # a sliding and an indexed-attention layer, the indexer first (the default layout's indices are for 30 layers)
+    "kolibri1_1": {"layer_types": ["sliding_attention", "indexed_attention"], "index_layers": [1],
+                   "kv_source_layers": [0, 1], "sliding_window": 8, "head_dim": 16,  # NVFP4 K/V: head_dim % 16
+                   "index_num_heads": 2},  # at most the query heads of one key head
     # all Mamba layers by default; transformers' generate needs a cache with an attention layer
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
     "glm5_next_text": {"qk_rope_head_dim": 0, "qk_nope_head_dim": 16},  # its DSA attention is NoPE only
