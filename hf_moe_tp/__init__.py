@@ -1,7 +1,5 @@
 """hf_moe_tp: Hugging Face Mixture-of-Experts models, tensor-parallel on PyTorch DTensors."""
 
-from . import lora  # noqa: F401 - watches PEFT building LoRA on our models (hf_moe_tp/lora.py)
-from .accelerate_cpu import allow_on_cpu
 from .expert_parallel import ExpertParallel
 from .experts import ExpertActivation, GroupedExperts
 from .grouped_mm import grouped_mm
@@ -32,5 +30,3 @@ __all__ = [
     "uninstall",
 ]
 __version__ = "0.1.0"
-
-allow_on_cpu()  # accelerate's ParallelismConfig on CPU processes (accelerate_cpu.py)

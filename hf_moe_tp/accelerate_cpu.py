@@ -4,8 +4,9 @@ accelerate refuses a ``ParallelismConfig`` unless the processes run on accelerat
 leaves out ``MULTI_CPU``), though on CPU processes its device mesh, its dataloader (the same batches to a TP
 group, different ones to the data-parallel ranks) and ``prepare`` of an already sharded model work (tested).
 So ``Accelerator(parallelism_config=...)``, ``accelerate launch`` with a parallelism config and the Trainer
-could not run hf_moe_tp models on CPU at all. :func:`allow_on_cpu`, called when hf_moe_tp is imported,
-answers that one check as for accelerator processes and changes nothing else; ``tests/test_trainer.py`` fails
+could not run hf_moe_tp models on CPU at all. :func:`allow_on_cpu`, switched on with the other integrations
+(:mod:`hf_moe_tp.integration`: the first load, ``install()``; :func:`restore_on_cpu` undoes it), answers that one
+check as for accelerator processes and changes nothing else; ``tests/test_trainer.py`` fails
 once accelerate stops refusing, and the shim can go.
 """
 
@@ -41,3 +42,12 @@ def allow_on_cpu() -> None:
 
     validate_on_cpu.hf_moe_tp_original = validate
     ParallelismConfig._validate_accelerator = validate_on_cpu
+
+
+def restore_on_cpu() -> None:
+    """Put accelerate's own check back (idempotent)."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    original = getattr(ParallelismConfig._validate_accelerator, "hf_moe_tp_original", None)
+    if original is not None:
+        ParallelismConfig._validate_accelerator = original

@@ -32,6 +32,9 @@ EXPERT_COUNT_ATTRIBUTES = ("num_local_experts", "num_experts", "n_routed_experts
 def install() -> None:
     """Route transformers' tensor-parallel ``from_pretrained`` of MoE models through hf_moe_tp (idempotent)."""
     global _original
+    from .integration import enable
+
+    enable()  # accelerate on CPU, PEFT, the Trainer (hf_moe_tp.integration)
     if _original is not None:
         return
     _original = PreTrainedModel.from_pretrained.__func__
@@ -41,8 +44,11 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Undo :func:`install` (idempotent)."""
+    """Undo :func:`install` and every other change hf_moe_tp made to other libraries (idempotent)."""
     global _original
+    from .integration import disable
+
+    disable()
     if _original is None:
         return
     PreTrainedModel.from_pretrained = classmethod(_original)

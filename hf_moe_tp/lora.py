@@ -800,4 +800,20 @@ def _agree(error: BaseException | None, what: str) -> None:
         raise SaveError(f"{what}: " + "; ".join(f"rank {r}: {m}" for r, m in failed.items())) from error
 
 
-_HOOK = torch.nn.modules.module.register_module_module_registration_hook(_on_register)
+_hook = None  # torch's handle of the module-registration hook while PEFT is watched
+
+
+def watch_peft() -> None:
+    """Register :func:`_on_register` as torch's global module-registration hook (idempotent; switched on with the
+    other integrations, :mod:`hf_moe_tp.integration`)."""
+    global _hook
+    if _hook is None:
+        _hook = torch.nn.modules.module.register_module_module_registration_hook(_on_register)
+
+
+def unwatch_peft() -> None:
+    """Remove the hook (idempotent)."""
+    global _hook
+    if _hook is not None:
+        _hook.remove()
+        _hook = None

@@ -222,7 +222,11 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
                ep_mesh: DeviceMesh | None = None) -> nn.Module:
     """Apply ``plan`` (names or ``*`` patterns -> styles or style names), then replicate every parameter left
     as a plain tensor. ``ExpertParallel`` entries go on ``ep_mesh`` when given (a 2-D ``(ep, tp)`` mesh whose
-    ``tp`` dimension is ``mesh``), on ``mesh`` otherwise."""
+    ``tp`` dimension is ``mesh``), on ``mesh`` otherwise. Switches on the integrations with accelerate, PEFT and
+    the Trainer (:mod:`hf_moe_tp.integration`)."""
+    from .integration import enable
+
+    enable()
     plan = resolve_plan(plan)
     every = dict(plan)
     if ep_mesh is not None:

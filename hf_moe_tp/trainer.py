@@ -61,7 +61,6 @@ def declare_layout(model: nn.Module, layout: Layout) -> None:
     model._is_distributed_loading_by_transformers = True
     model.config.distributed_config = DistributedConfig(tp_size=tp, fsdp_size=world // tp // replicate,
                                                         dp_replicate_size=replicate)
-    _install()
 
 
 def is_hf_moe_tp_model(model: Any) -> bool:
@@ -120,10 +119,11 @@ def _state_folder(checkpoint: str | os.PathLike) -> str:
     return folder
 
 
-def _install() -> None:
+def patch_trainer() -> None:
     """Patch the Trainer's methods (module docstring) once: now if ``transformers.trainer`` is imported, else as
     soon as it is. Importing it here would cost every load about a second (it pulls in PEFT, datasets and pandas
-    where installed) for a Trainer most loads never build."""
+    where installed) for a Trainer most loads never build. Switched on with the other integrations
+    (:mod:`hf_moe_tp.integration`)."""
     global _installed
     if _installed:
         return
@@ -132,6 +132,21 @@ def _install() -> None:
         _patch_trainer()
     else:
         sys.meta_path.insert(0, _AfterImport(TRAINER_MODULE, _patch_trainer))
+
+
+def unpatch_trainer() -> None:
+    """The Trainer's own methods back, and no patch pending on its import (idempotent)."""
+    global _installed
+    _installed = False
+    for finder in [f for f in sys.meta_path if isinstance(f, _AfterImport)]:
+        sys.meta_path.remove(finder)
+    if TRAINER_MODULE in sys.modules:
+        from transformers import Trainer
+
+        for name, method in list(vars(Trainer).items()):
+            original = getattr(method, "hf_moe_tp_original", None)
+            if original is not None:
+                setattr(Trainer, name, original)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -193,3 +193,40 @@ def test_deepcopy_is_an_independent_model(ranks, tmp_path, family):
     path = save_family(family, tmp_path)
     for r in ranks(2).run(_deepcopy_twin, str(path)):
         assert r["same"] == 0.0 and r["draws_agree"] and r["untouched"] == 0.0 and r["moved"] > 1e-3, r
+
+
+NOTHING_ON_IMPORT = r"""
+import sys, torch
+from accelerate.parallelism_config import ParallelismConfig
+import transformers.trainer
+from transformers import Trainer
+
+hooks = torch.nn.modules.module._global_module_registration_hooks
+before = (ParallelismConfig._validate_accelerator, dict(hooks), list(sys.meta_path), dict(vars(Trainer)))
+
+def now():
+    return (ParallelismConfig._validate_accelerator, dict(hooks), list(sys.meta_path), dict(vars(Trainer)))
+
+import hf_moe_tp
+assert now() == before, "import hf_moe_tp changed another library"
+hf_moe_tp.install()
+changed = now()
+assert changed[0] is not before[0] and len(changed[1]) == len(before[1]) + 1
+patched = sorted(n for n in vars(Trainer) if changed[3][n] is not before[3][n])
+assert patched == sorted(["__init__", "compute_loss", "_load_from_checkpoint", "_load_best_model",
+                          "_load_optimizer_and_scheduler", "_save_optimizer_and_scheduler", "evaluation_loop"]), patched
+hf_moe_tp.uninstall()
+assert now() == before, "uninstall() left a change behind"
+print("OK")
+"""
+
+
+def test_import_changes_no_other_library_and_uninstall_undoes_install():
+    """``import hf_moe_tp`` leaves accelerate's check, torch's module-registration hooks, ``sys.meta_path`` and
+    transformers' Trainer as they were; ``install()`` switches the integrations on and ``uninstall()`` puts every
+    one back (the same objects: a plain transformers model then trains exactly as without the package)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", NOTHING_ON_IMPORT], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-2000:]
