@@ -3,7 +3,7 @@
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_tp.py PATH [PROMPT_IDS...]
 
 accelerate starts the processes; the mesh is the one of its ``ParallelismConfig(tp_size=N)``. Without GPUs the
-processes run on CPU (``cpu=True``; ``import hf_moe_tp`` lets accelerate take a ParallelismConfig there).
+processes run on CPU (``cpu=True``; ``hf_moe_tp.install()`` first lets accelerate take a ParallelismConfig there).
 Training under accelerate: examples/accelerate_train.py.
 """
 
@@ -17,6 +17,7 @@ from accelerate.parallelism_config import ParallelismConfig
 import hf_moe_tp
 
 world = int(os.environ["WORLD_SIZE"])
+hf_moe_tp.install()  # its integrations: accelerate's ParallelismConfig on CPU processes among them
 accelerator = Accelerator(cpu=not torch.cuda.is_available(), parallelism_config=ParallelismConfig(tp_size=world))
 model = hf_moe_tp.from_pretrained(sys.argv[1], device_mesh=accelerator.torch_device_mesh)
 ids = torch.tensor([[int(t) for t in sys.argv[2:]] or list(range(1, 9))], device=accelerator.device)

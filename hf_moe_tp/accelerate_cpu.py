@@ -15,13 +15,15 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from ._compat import ACCELERATE_VALIDATE
+
 
 def allow_on_cpu() -> None:
     """Let ``ParallelismConfig`` validate on ``MULTI_CPU`` accelerators (idempotent)."""
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DistributedType
 
-    validate = ParallelismConfig._validate_accelerator
+    validate = getattr(ParallelismConfig, ACCELERATE_VALIDATE)
     if hasattr(validate, "hf_moe_tp_original"):
         return
 
@@ -41,13 +43,13 @@ def allow_on_cpu() -> None:
         return validate(self, OnCpu(accelerator))
 
     validate_on_cpu.hf_moe_tp_original = validate
-    ParallelismConfig._validate_accelerator = validate_on_cpu
+    setattr(ParallelismConfig, ACCELERATE_VALIDATE, validate_on_cpu)
 
 
 def restore_on_cpu() -> None:
     """Put accelerate's own check back (idempotent)."""
     from accelerate.parallelism_config import ParallelismConfig
 
-    original = getattr(ParallelismConfig._validate_accelerator, "hf_moe_tp_original", None)
+    original = getattr(getattr(ParallelismConfig, ACCELERATE_VALIDATE), "hf_moe_tp_original", None)
     if original is not None:
-        ParallelismConfig._validate_accelerator = original
+        setattr(ParallelismConfig, ACCELERATE_VALIDATE, original)

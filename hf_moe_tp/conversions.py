@@ -40,13 +40,23 @@ def model_keys(model: nn.Module, keys: list[str]) -> dict[str, str]:
     renamings = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
     names = dict.fromkeys(k for k, _ in model.state_dict(keep_vars=True).items())
     prefix = getattr(model, "base_model_prefix", None)
+    base_model = is_base_model(model)
     out = {}
     for key in keys:
         renamed, _ = rename_source_key(key, renamings, [], prefix, names)
         if renamed not in names and key in names:  # as transformers: a renaming that misfired (``.norm.``)
             renamed, _ = rename_source_key(key, [], [], prefix, names)
+        if base_model and renamed not in names and renamed.startswith(f"{prefix}."):
+            renamed = renamed[len(prefix) + 1:]  # a base model (AutoModel) from its task model's checkpoint
         out[renamed] = key
     return out
+
+
+def is_base_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a family's base model (``AutoModel``), with no task head around it: its checkpoint
+    keys carry the task model's ``base_model_prefix``, and the head's tensors go unused."""
+    prefix = getattr(model, "base_model_prefix", None)
+    return bool(prefix) and getattr(model, prefix, None) is None
 
 
 def parameter_sources(model: nn.Module, targets: dict[str, torch.Tensor], shapes: dict[str, tuple]

@@ -22,13 +22,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from ._compat import MODEL_FSDP_MANAGED, MODEL_NO_SPLIT
+
 logger = logging.getLogger(__name__)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks FSDP2 wraps one by one: modules of the classes transformers keeps whole
     (``_no_split_modules``), outermost only."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
+    names = set(getattr(model, MODEL_NO_SPLIT, None) or [])
     found: list[nn.Module] = []
     inside: set[int] = set()
     for module in model.modules():
@@ -78,7 +80,7 @@ def shard_data_parallel(
                 **kwargs)
     if not any(p.is_meta for p in ignored):
         divide_expert_gradients(model)
-    model._is_fsdp_managed_module = True  # transformers' generate then keeps the data-parallel ranks in step
+    setattr(model, MODEL_FSDP_MANAGED, True)  # transformers' generate then keeps the data-parallel ranks in step
     model.hf_moe_tp_dp_mesh = dp_mesh
     return model
 

@@ -6,7 +6,9 @@ import functools
 
 import torch
 
-_KERNEL = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+from ._compat import grouped_mm_kernel
+
+_KERNEL = grouped_mm_kernel()
 
 
 def kernel_accepts(x: torch.Tensor, w: torch.Tensor) -> bool:

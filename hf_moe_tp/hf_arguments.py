@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from ._compat import CONFIG_EXPERTS_IMPLEMENTATION
 from .quantized import check_requested, quantization_of, refuse_requested
 
 # Hub download options: they go to huggingface_hub for a repo id (and are meaningless for a local directory,
@@ -82,7 +83,7 @@ def refuse(kwargs: dict[str, Any]) -> None:
         refused.append("use_safetensors=False (only safetensors checkpoints are read)")
     experts = kwargs.get("experts_implementation")
     if experts is None:  # transformers' auto classes move it into the config they pass on
-        experts = getattr(kwargs.get("config"), "_experts_implementation_internal", None)
+        experts = getattr(kwargs.get("config"), CONFIG_EXPERTS_IMPLEMENTATION, None)
     if experts not in EXPERTS_IMPLEMENTATIONS:
         refused.append(f"experts_implementation={experts!r} (experts are GroupedExperts: 'grouped_mm' only)")
     if refused:

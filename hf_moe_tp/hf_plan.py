@@ -14,6 +14,7 @@ import fnmatch
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from ._compat import MODEL_TP_PLAN
 from .styles import LocalParams, MlaKvAProj
 
 
@@ -31,7 +32,7 @@ def head_norm_entries(model: nn.Module, tp_size: int | None) -> dict:
     (transformers' ``replicated_with_grad_allreduce``)."""
     if tp_size is None or tp_size == 1 or not heads_divide(model.config, tp_size):
         return {}
-    plan = getattr(model, "_tp_plan", None) or {}
+    plan = getattr(model, MODEL_TP_PLAN, None) or {}
     colwise = [p for p, st in plan.items() if st == "colwise"]
     out = {}
     for name, module in model.named_modules():
@@ -56,7 +57,7 @@ def nested_entries(model: nn.Module, tp_size: int | None) -> dict:
     dotted name), so they stay whole (replicated)."""
     if tp_size is None or tp_size == 1:
         return {}
-    plan = getattr(model, "_tp_plan", None) or {}
+    plan = getattr(model, MODEL_TP_PLAN, None) or {}
     split = ("colwise", "rowwise", "embedding_rowwise", "colwise_gather_output", "rowwise_split_input")
     out = {}
     for pattern, style in plan.items():
@@ -74,7 +75,7 @@ def unpaired_rowwise_entries(model: nn.Module, tp_size: int | None) -> dict:
     KDA), whose q/k/v projections no column-wise entry names. Such a projection stays whole (replicated)."""
     if tp_size is None or tp_size == 1:
         return {}
-    plan = getattr(model, "_tp_plan", None) or {}
+    plan = getattr(model, MODEL_TP_PLAN, None) or {}
     colwise = [p for p, st in plan.items() if st == "colwise"]
     modules = dict(model.named_modules())
     out = {}
@@ -102,7 +103,7 @@ def local_params_entries(model: nn.Module, tp_size: int | None) -> dict:
     of the module's forward, where the heads are split."""
     if tp_size is None or tp_size == 1 or not heads_divide(model.config, tp_size):
         return {}
-    plan = getattr(model, "_tp_plan", None) or {}
+    plan = getattr(model, MODEL_TP_PLAN, None) or {}
     out = {}
     for pattern, style in plan.items():
         if style != "local_params":
@@ -131,7 +132,7 @@ def mla_entries(model: nn.Module, tp_size: int | None) -> dict:
         default_rope = getattr(text, "qk_rope_head_dim", None)
     except Exception:  # noqa: BLE001 - a per-layer attribute of a heterogeneous config: read per module
         default_rope = None
-    plan = getattr(model, "_tp_plan", None) or {}
+    plan = getattr(model, MODEL_TP_PLAN, None) or {}
     modules = dict(model.named_modules())
     out = {}
     for pattern, style in plan.items():

@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from transformers import AutoConfig
 
 from model_patches import adapter_for
 
 from . import plans
+from ._compat import fake_store, local_shape_and_offset_at, root_mesh
 from .checkpoint import INDEX_FILE, SINGLE_FILE, ST_DTYPES, Checkpoint
 from .conversions import model_keys, parameter_sources
 from .fsdp import shard_data_parallel
@@ -83,8 +83,6 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
     expert parallelism as :func:`hf_moe_tp.from_pretrained` takes it). Reads headers only."""
     if dist.is_initialized():
         raise RuntimeError("inspect runs outside a process group (it starts a fake one of the requested size)")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     path = Path(path)
     folder = path.parent if path.is_file() else path
     weights = (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file()
@@ -92,10 +90,10 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
     ckpt = Checkpoint(folder) if weights else None  # headers only
     view = checkpoint_view(ckpt, config) if weights else None  # quantized weights as what they stand for
     world = tp * fsdp * dp_replicate
-    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    dist.init_process_group("fake", rank=0, world_size=world, store=fake_store())
     try:
         layout = resolve_layout(None, ep, fsdp, dp_replicate)
-        root = layout.tp._get_root_mesh()
+        root = root_mesh(layout.tp)
         dims = dict(zip(root.mesh_dim_names, root.shape, strict=True))
         model = plans.meta_model(config)
         plan = plans.tp_plan(model, layout.tp.size(), ep_size=ep if ep and ep > 1 else None)
@@ -176,8 +174,7 @@ class _Boxes:
         coordinate = self.coordinate(rank, mesh.mesh_dim_names)
         key = (tuple(t.shape), tuple(t.placements), tuple(mesh.shape), tuple(coordinate))
         if key not in self.cache:
-            shape, offset = _compute_local_shape_and_global_offset(t.shape, tuple(mesh.shape), coordinate,
-                                                                    t.placements)
+            shape, offset = local_shape_and_offset_at(t.shape, tuple(mesh.shape), coordinate, t.placements)
             self.cache[key] = tuple((o, o + n) for o, n in zip(offset, shape, strict=True))
         return self.cache[key]
 

@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
+from ._compat import unregister_parallel_style
 from .hf_arguments import HUB_OPTIONS
 from .plans import STYLE_NAMES
 
@@ -54,7 +55,7 @@ def uninstall() -> None:
     PreTrainedModel.from_pretrained = classmethod(_original)
     _original = None
     for name in STYLE_NAMES:
-        ALL_PARALLEL_STYLES._global_mapping.pop(name, None)
+        unregister_parallel_style(name)
 
 
 def installed() -> bool:

@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from tqdm.auto import tqdm
 
+from ._compat import MODEL_IGNORE_ON_LOAD, local_shape_and_offset
 from .checkpoint import Checkpoint, CheckpointError
-from .conversions import model_keys, parameter_sources
+from .conversions import is_base_model, model_keys, parameter_sources
 from .experts import GroupedExperts
 from .fp8 import add_scale_sources, kept_scales
 from .quantized import Quantization, checkpoint_view
@@ -92,7 +92,9 @@ def load_checkpoint(
         used = view.storage_keys({to_ckpt[s.key] for name in targets for s in sources.get(name, [])
                                   if s.key in to_ckpt})
         unexpected = sorted(set(ckpt.keys()) - used)
-        ignorable = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+        ignorable = [re.compile(p) for p in getattr(model, MODEL_IGNORE_ON_LOAD, None) or []]
+        if is_base_model(model):  # its task model's head is not used
+            ignorable.append(re.compile(rf"^(?!{re.escape(model.base_model_prefix)}\.)"))
         surprising = [k for k in unexpected if not any(p.search(k) for p in ignorable)]
         model_type = getattr(getattr(model, "config", None), "model_type", "?")
         _check(targets, sources, shapes, to_ckpt, ckpt.path, view.tensors, surprising, model_type)
@@ -196,7 +198,7 @@ def local_box(t: torch.Tensor) -> Box:
     """The [start, stop) box of the full tensor that this rank holds."""
     if not isinstance(t, DTensor):
         return tuple((0, n) for n in t.shape)
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    shape, offset = local_shape_and_offset(t.shape, t.device_mesh, t.placements)
     return tuple((o, o + n) for o, n in zip(offset, shape, strict=True))
 
 

@@ -85,8 +85,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from ._compat import LORA_CHECK, LORA_CREATE, LORA_UNLOAD, PEFT_DEVICE_MESH, PEFT_TP_PLAN, strided_shard
 from .linear import KEEP_SPLIT, ColumnParallel, RowParallel
 from .saving import SaveError
 from .styles import LocalParams, MlaKvAProj, NoParallel, _SumGradOverMesh, local_during_forward, sum_over_mesh
@@ -139,12 +139,12 @@ def _follow_tuner(tuner: nn.Module) -> None:
     if type(tuner) is not LoraModel:
         raise UnsupportedLoraError(f"PEFT's {type(tuner).__name__} on the tensor-parallel model: only LoRA "
                                    "(LoraConfig) is supported there")
-    if "_create_and_replace" in vars(tuner):
+    if LORA_CREATE in vars(tuner):
         return
-    signature = inspect.signature(LoraModel._create_and_replace)
+    signature = inspect.signature(getattr(LoraModel, LORA_CREATE))
 
     def check_new_adapter_config(self, config: Any) -> None:
-        LoraModel._check_new_adapter_config(self, config)
+        getattr(LoraModel, LORA_CHECK)(self, config)
         check_config(config, self.model)
 
     def create_and_replace(self, *args: Any, **kwargs: Any) -> None:
@@ -155,7 +155,7 @@ def _follow_tuner(tuner: nn.Module) -> None:
         bases = {id(m): m for m in (target, getattr(target, "get_base_layer", lambda: target)())}.values()
         drawn_from = torch.random.get_rng_state()
         with _without_transformers_tp(bases):
-            LoraModel._create_and_replace(self, *args, **kwargs)
+            getattr(LoraModel, LORA_CREATE)(self, *args, **kwargs)
         layer = getattr(bound.arguments["parent"], bound.arguments["target_name"])
         # PEFT drew this rank's shapes of a layer's adapter; the whole shapes are drawn again from the same state,
         # so the first rank draws what one process seeded alike draws. (An adapter on an expert weight PEFT drew
@@ -165,9 +165,9 @@ def _follow_tuner(tuner: nn.Module) -> None:
         shard_adapter(layer, bound.arguments["adapter_name"], bound.arguments["lora_config"],
                       name=bound.arguments.get("current_key") or "")
 
-    tuner._check_new_adapter_config = types.MethodType(check_new_adapter_config, tuner)
-    tuner._create_and_replace = types.MethodType(create_and_replace, tuner)
-    for method in ("_unload_and_optionally_merge", "merge_adapter", "unmerge_adapter"):
+    setattr(tuner, LORA_CHECK, types.MethodType(check_new_adapter_config, tuner))
+    setattr(tuner, LORA_CREATE, types.MethodType(create_and_replace, tuner))
+    for method in (LORA_UNLOAD, "merge_adapter", "unmerge_adapter"):
         setattr(tuner, method, types.MethodType(_resharded_first(getattr(LoraModel, method)), tuner))
 
 
@@ -431,7 +431,7 @@ def _place_by_experts(layer: nn.Module, adapter: str, weight: DTensor, where: st
     by_experts = [Replicate()] * mesh.ndim
     by_experts[ep] = Shard(0)
     strided = [Replicate()] * mesh.ndim
-    strided[ep] = _StridedShard(1, split_factor=layer.r[adapter])
+    strided[ep] = strided_shard(1, layer.r[adapter])
     for module, placements in ((layer.lora_A[adapter], by_experts), (layer.lora_B[adapter], strided)):
         p = module.weight
         dt = distribute_tensor(p.detach(), mesh, placements, src_data_rank=0)
@@ -525,14 +525,14 @@ def _without_transformers_tp(bases: Iterable[nn.Module]) -> Iterator[None]:
     stamped makes PEFT skip all of it (its warning that it adds no TP hooks is expected, so silenced)."""
     bases = [b for b in bases if not isinstance(b, nn.Embedding)]  # refused below; PEFT rejects the stamp there
     for base in bases:
-        base.__dict__["_hf_tp_plan"] = _OURS
+        base.__dict__[PEFT_TP_PLAN] = _OURS
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=f'.*TP plan "{_OURS}"')
             yield
     finally:
         for base in bases:
-            for attr in ("_hf_tp_plan", "_hf_device_mesh"):
+            for attr in (PEFT_TP_PLAN, PEFT_DEVICE_MESH):
                 base.__dict__.pop(attr, None)
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ._compat import root_mesh
 from .timeouts import DEFAULT_TIMEOUT_S
 
 # Mesh dimension names, as torchtitan, accelerate and transformers spell them.
@@ -178,7 +179,7 @@ def resolve_mesh(device_mesh: DeviceMesh | None = None) -> DeviceMesh:
     it is: TP over it, and data parallelism (a user's own ``fully_shard`` over ``mesh["dp"]``) left to the
     caller."""
     if device_mesh is not None:
-        root = device_mesh._get_root_mesh() if device_mesh.ndim == 1 else device_mesh
+        root = root_mesh(device_mesh) if device_mesh.ndim == 1 else device_mesh
         if root is not device_mesh and root.get_coordinate() is not None and sorted(
                 root.mesh.flatten().tolist()) == list(range(dist.get_world_size())):
             return device_mesh

@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 from transformers import PretrainedConfig
 
+from ._compat import MODEL_TP_PLAN, from_config
 from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
 from .hf_plan import entries, heads_divide, matches
@@ -97,7 +98,7 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, 
     modules = dict(model.named_modules())
     plan: dict[str, ParallelStyle] = {}
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    family_plan = getattr(model, "_tp_plan", None) or {}
+    family_plan = getattr(model, MODEL_TP_PLAN, None) or {}
     unknown = {p: st for p, st in family_plan.items() if st not in HF_STYLES and st not in HF_STYLES_HANDLED_ELSEWHERE}
     if unknown and tp_size is not None and tp_size > 1:
         model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
@@ -170,7 +171,7 @@ def meta_model(config: PretrainedConfig, model_class: type | None = None, dtype:
         kwargs = {"dtype": dtype} if dtype is not None else {}
         if attn_implementation is not None:  # validated by transformers as for its own from_pretrained
             kwargs["attn_implementation"] = attn_implementation
-        model = cls.from_config(config, **kwargs) if hasattr(cls, "from_config") else cls._from_config(config, **kwargs)
+        model = from_config(cls, config, **kwargs)
     model.tie_weights()  # transformers ties after loading; the plan needs the ties now
     adapter_for(model).swap_experts(model)
     # Row-major (contiguous) by default: FSDP2 shards only contiguous parameters; the grouped-matmul kernel

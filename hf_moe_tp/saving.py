@@ -45,6 +45,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import PrefixChange, revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
+from ._compat import MODEL_IGNORE_ON_SAVE, MODEL_WEIGHT_CONVERSIONS, from_config
 from .checkpoint import INDEX_FILE, SINGLE_FILE, ST_DTYPES
 from .conversions import model_keys, parameter_sources
 from .experts import GroupedExperts
@@ -249,7 +250,7 @@ def _plan(model: nn.Module) -> tuple[dict[str, _Entry], int]:
             entries[to_ckpt[s.key]].pieces.append(_Piece(name, tensors[name], s, name in experts))
 
     covered = {id(p.tensor) for e in entries.values() for p in e.pieces}
-    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or [])
+    ignored = set(getattr(model, MODEL_IGNORE_ON_SAVE, None) or [])
     left = [n for n, t in tensors.items() if id(t) not in covered and n not in ignored]
     if left:
         raise SaveError(f"{len(left)} model tensors have no checkpoint key to go to: {', '.join(left[:8])}")
@@ -265,14 +266,14 @@ def _transformers_keys(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], in
     instance of the unpatched model, so nothing is allocated.
     """
     with init_empty_weights(include_buffers=False):
-        ref = type(model)._from_config(copy.deepcopy(model.config))
+        ref = from_config(type(model), copy.deepcopy(model.config))
     ref.tie_weights()
     # As for a model transformers loaded from the hub: its family's conversions attached (also when there are
     # none, which makes transformers write the keys in sorted order, as it does after from_pretrained)
-    ref._weight_conversions = [c for c in get_model_conversion_mapping(ref, add_legacy=False)
-                               if not isinstance(c, PrefixChange)]
+    setattr(ref, MODEL_WEIGHT_CONVERSIONS, [c for c in get_model_conversion_mapping(ref, add_legacy=False)
+                                            if not isinstance(c, PrefixChange)])
     state = ref.state_dict()
-    for key in getattr(ref, "_keys_to_ignore_on_save", None) or []:
+    for key in getattr(ref, MODEL_IGNORE_ON_SAVE, None) or []:
         state.pop(key, None)
     state = revert_weight_conversion(ref, remove_tied_weights_from_state_dict(state, ref))
     return {key: tuple(t.shape) for key, t in state.items()}, ref.num_parameters()

@@ -246,9 +246,9 @@ class VocabParallelEmbedding(LocalParams):
 
 
 def _own_rows(weight: DTensor) -> tuple[int, int]:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from ._compat import local_shape_and_offset
 
-    shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+    shape, offset = local_shape_and_offset(weight.shape, weight.device_mesh, weight.placements)
     return offset[0], offset[0] + shape[0]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import re
 import time
 import types
@@ -22,6 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+from ._compat import default_store, set_group_timeout
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
 # How long a failed rank waits for the group's other ranks to report the same failure through the store.
@@ -47,7 +52,10 @@ def set_timeout(meshes: list[DeviceMesh | None], seconds: float) -> None:
     groups = {id(g): g for g in [dist.group.WORLD] + [m.get_group(d) for m in meshes if m is not None
                                                        for d in range(m.ndim)]}
     for group in groups.values():
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
+        if not set_group_timeout(timeout, group):
+            logger.warning("this torch cannot bound an existing group's collectives: timeout=%s s not applied to "
+                           "groups it did not start", seconds)
+            return
 
 
 def explain_collective_failures(model: nn.Module, meshes: list[DeviceMesh | None], timeout_s: float | None) -> None:
@@ -103,7 +111,9 @@ def _missing_ranks(ranks: list[int], me: int) -> list[int] | None:
     """The ranks of ``ranks`` that do not mark this failure in the default store within ``REPORT_WAIT_S``."""
     key = f"hf_moe_tp/collective_failure/{next(_failures)}/"
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
+        if store is None:
+            return None
         old = store.timeout
         store.set_timeout(timedelta(seconds=REPORT_WAIT_S))  # a store whose host died must not hang us
         try:

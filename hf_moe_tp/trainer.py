@@ -40,6 +40,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ._compat import (
+    MODEL_LOADED_DISTRIBUTED,
+    MODEL_TP_SIZE,
+    TRAINER_LOAD_BEST,
+    TRAINER_LOAD_CHECKPOINT,
+    TRAINER_LOAD_OPTIMIZER,
+    TRAINER_SAVE_OPTIMIZER,
+)
 from .loss import loss_only
 from .meshes import Layout
 
@@ -57,8 +65,8 @@ def declare_layout(model: nn.Module, layout: Layout) -> None:
     tp = layout.tp.size()
     world = dist.get_world_size() if dist.is_initialized() else 1
     replicate = layout.dp.size(0) if layout.dp is not None and layout.dp.ndim == 2 else 1
-    model._tp_size = tp
-    model._is_distributed_loading_by_transformers = True
+    setattr(model, MODEL_TP_SIZE, tp)
+    setattr(model, MODEL_LOADED_DISTRIBUTED, True)
     model.config.distributed_config = DistributedConfig(tp_size=tp, fsdp_size=world // tp // replicate,
                                                         dp_replicate_size=replicate)
 
@@ -73,7 +81,7 @@ def check_gradient_reduction(model: nn.Module) -> None:
     trainable parameter that lives on a mesh covering fewer ranks than the world while different ranks hold
     different batches (an ``(ep, tp)`` mesh without FSDP: the dense layers' gradients are left to the caller)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    tp = getattr(model, "_tp_size", None) or 1
+    tp = getattr(model, MODEL_TP_SIZE, None) or 1
     if world == tp:
         return
     for name, p in model.named_parameters():  # plain tensors: the Trainer averages their gradients itself
@@ -205,10 +213,10 @@ def _patch_trainer() -> None:
         trainer.hf_moe_tp_gather = _gather_once_per_tp_group(trainer, model)
 
     patch("__init__", init, model_of=lambda self, model=None, *args, **kwargs: model)
-    patch("_save_optimizer_and_scheduler", _save_optimizer_and_scheduler)
-    patch("_load_optimizer_and_scheduler", _load_optimizer_and_scheduler)
-    patch("_load_from_checkpoint", _load_from_checkpoint)
-    patch("_load_best_model", _load_best_model)
+    patch(TRAINER_SAVE_OPTIMIZER, _save_optimizer_and_scheduler)
+    patch(TRAINER_LOAD_OPTIMIZER, _load_optimizer_and_scheduler)
+    patch(TRAINER_LOAD_CHECKPOINT, _load_from_checkpoint)
+    patch(TRAINER_LOAD_BEST, _load_best_model)
     patch("evaluation_loop", _evaluation_loop)
     patch("compute_loss", _compute_loss)
 
@@ -219,7 +227,7 @@ def _gather_once_per_tp_group(trainer: Any, model: nn.Module) -> Callable | None
     it tp times over. The gathered tensors are the ranks' blocks in rank order, a TP group's ranks consecutive
     (checked), so each group's first block is kept. None where TP is 1. Only the evaluation loop uses it: the
     other callers of ``gather_for_metrics`` (TRL's token counts) divide by the TP size themselves."""
-    tp = getattr(model, "_tp_size", None) or 1
+    tp = getattr(model, MODEL_TP_SIZE, None) or 1
     if tp == 1:
         return None
     if trainer.args.eval_use_gather_object:

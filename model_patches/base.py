@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from transformers.activations import ACT2CLS
-from transformers.integrations.moe import _default_apply_gate
 
+from hf_moe_tp._compat import EXPERTS_APPLY_GATE, default_apply_gate
 from hf_moe_tp.experts import ExpertActivation, GroupedExperts
 from hf_moe_tp.sources import Axis, Source
 
@@ -77,8 +77,9 @@ class Adapter:
         )
 
     def activation(self, module: nn.Module) -> ExpertActivation:
-        gate_fn = getattr(type(module), "_apply_gate", _default_apply_gate)
-        if gate_fn is not _default_apply_gate:
+        default = default_apply_gate()
+        gate_fn = getattr(type(module), EXPERTS_APPLY_GATE, default)
+        if gate_fn is not default:
             if hasattr(module, "alpha") and hasattr(module, "limit"):
                 return ExpertActivation.clamped_swiglu(alpha=float(module.alpha), limit=float(module.limit))
             return FamilyGate.of(module)
@@ -220,7 +221,7 @@ class FamilyGate(ExpertActivation):
         """The gating of ``module`` (a transformers expert module), without its weights."""
         stub = copy.copy(module)  # attributes and submodules (activation modules) shared; no weights kept alive
         stub._parameters, stub._buffers = {}, {}
-        gate = cls(name="linear", gate_fn=functools.partial(type(module)._apply_gate, stub),
+        gate = cls(name="linear", gate_fn=functools.partial(getattr(type(module), EXPERTS_APPLY_GATE), stub),
                    concatenated=module.is_concatenated, family=type(module).__qualname__)
         h1, h3 = (torch.randn(5, 6, generator=torch.Generator().manual_seed(i)) * 4 for i in (0, 1))
         try:
@@ -232,9 +233,9 @@ class FamilyGate(ExpertActivation):
         else:
             why = "its output is not elementwise in the hidden features"
         if not elementwise:
-            raise NotImplementedError(f"{type(module).__name__} has its own gating "
-                                      f"({type(module)._apply_gate.__qualname__}) that cannot run on hidden shards "
-                                      f"({why}); it needs an adapter in model_patches/")
+            own = getattr(type(module), EXPERTS_APPLY_GATE).__qualname__
+            raise NotImplementedError(f"{type(module).__name__} has its own gating ({own}) that cannot run on hidden "
+                                      f"shards ({why}); it needs an adapter in model_patches/")
         return gate
 
     def __call__(self, h1: torch.Tensor, h3: torch.Tensor | None) -> torch.Tensor:

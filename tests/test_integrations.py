@@ -10,7 +10,7 @@ import torch
 from families import save_family
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel
 from transformers.distributed import DistributedConfig
 
 import hf_moe_tp
@@ -38,15 +38,22 @@ def _via_transformers(path: str):
         config = AutoConfig.from_pretrained(path)
         plan = hf_moe_tp.tp_plan(config)
         dist_config = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_plan=plan))
+        # with a config object transformers' Auto classes pass their own keywords (_from_auto, ...) down: taken
+        with_config = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", config=config)
+        base = AutoModel.from_pretrained(path, tp_plan="auto", config=config)
     finally:
         hf_moe_tp.uninstall()
     restored = PreTrainedModel.from_pretrained.__func__ is original
     ours = hf_moe_tp.from_pretrained(path)
     ids = _ids(ours.config.vocab_size)
     with torch.no_grad():
-        logits = {name: m(ids).logits for name, m in (("auto", auto), ("dist_config", dist_config), ("ours", ours))}
+        logits = {name: m(ids).logits for name, m in (("auto", auto), ("dist_config", dist_config), ("ours", ours),
+                                                      ("with_config", with_config))}
+        hidden = (base(ids).last_hidden_state - ours.model(ids).last_hidden_state).abs().max().item()
     experts = {name: type(m.model.layers[0].mlp.experts).__name__ for name, m in (("auto", auto),
-                                                                                 ("dist_config", dist_config))}
+                                                                                 ("dist_config", dist_config),
+                                                                                 ("with_config", with_config))}
+    experts["base"] = type(base.layers[0].mlp.experts).__name__
     placements = {name: m.model.layers[0].mlp.experts.w1.placements for name, m in (("auto", auto),
                                                                                    ("dist_config", dist_config))}
     plain = AutoModelForCausalLM.from_pretrained(path)  # uninstalled: transformers' own, unsharded
@@ -57,6 +64,8 @@ def _via_transformers(path: str):
         "read_reports": [hasattr(m, "hf_moe_tp_load") for m in (auto, dist_config)],
         "auto_vs_ours": (logits["auto"] - logits["ours"]).abs().max().item(),
         "dist_config_vs_ours": (logits["dist_config"] - logits["ours"]).abs().max().item(),
+        "with_config_vs_ours": (logits["with_config"] - logits["ours"]).abs().max().item(),
+        "base_vs_ours": hidden,
         "plain_is_transformers": not any(isinstance(m, GroupedExperts) for m in plain.modules()),
         "plan_names": sorted({type(s).__name__ for s in plan.values()}),
     }
@@ -65,10 +74,11 @@ def _via_transformers(path: str):
 def test_transformers_from_pretrained_after_install(ranks, mixtral):
     for r in ranks(2).run(_via_transformers, str(mixtral)):
         assert r["restored"] and r["plain_is_transformers"]
-        assert r["experts"] == {"auto": "GroupedExperts", "dist_config": "GroupedExperts"}
+        assert r["experts"] == dict.fromkeys(("auto", "dist_config", "with_config", "base"), "GroupedExperts")
         assert all(p == (Shard(2),) for p in r["placements"].values())
         assert r["read_reports"] == [True, True]
         assert r["auto_vs_ours"] == 0.0 and r["dist_config_vs_ours"] == 0.0
+        assert r["with_config_vs_ours"] == 0.0 and r["base_vs_ours"] == 0.0
         assert "TensorParallel" in r["plan_names"] and "NoParallel" in r["plan_names"]
 
 

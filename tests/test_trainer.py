@@ -90,21 +90,21 @@ def reference(mixtral, tmp_path_factory):
     return get
 
 
-def _through_transformers(path: str, fields: dict):
+def _fit_on_ranks(path: str, kwargs: dict, out: str, accumulation: int) -> dict:
+    """Load (through transformers' own from_pretrained after install() for a DistributedConfig) and fit; the
+    integrations install() switched on stay on until the fit is done (uninstall() switches them all off)."""
     from transformers.distributed import DistributedConfig
 
-    hf_moe_tp.install()
-    try:
-        return AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(**fields))
-    finally:
-        hf_moe_tp.uninstall()
-
-
-def _fit_on_ranks(path: str, kwargs: dict, out: str, accumulation: int) -> dict:
     _fresh_accelerate()
     fields = kwargs.pop("distributed_config", None)
-    model = _through_transformers(path, fields) if fields else hf_moe_tp.from_pretrained(path, **kwargs)
-    return fit(model, out, gradient_accumulation_steps=accumulation)
+    if not fields:
+        return fit(hf_moe_tp.from_pretrained(path, **kwargs), out, gradient_accumulation_steps=accumulation)
+    hf_moe_tp.install()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(**fields))
+        return fit(model, out, gradient_accumulation_steps=accumulation)
+    finally:
+        hf_moe_tp.uninstall()
 
 
 LAYOUTS = {  # world, from_pretrained arguments, data-parallel size, gradient accumulation
@@ -238,6 +238,7 @@ def test_shims_still_needed(mixtral, tmp_path):
 
     on_cpu = SimpleNamespace(multi_device=False, distributed_type=DistributedType.MULTI_CPU, num_processes=2,
                              is_fsdp2=False, is_main_process=True)
+    hf_moe_tp.install()  # switches the shims on (import hf_moe_tp alone does not)
     with pytest.raises(ValueError, match="MULTI_CPU"):
         ParallelismConfig._validate_accelerator.hf_moe_tp_original(ParallelismConfig(tp_size=2), on_cpu)
     ParallelismConfig._validate_accelerator(ParallelismConfig(tp_size=2), on_cpu)  # the shim lets it through

@@ -1,0 +1,189 @@
+"""Everything hf_moe_tp uses that torch, transformers, accelerate or PEFT do not publish, in one place.
+
+Each entry of :data:`PRIVATE` names the symbol, the releases it was checked on and what happens where it is
+gone: a fallback, or :class:`MissingPrivate` naming the symbol, the library and the installed release. Every other
+module reaches these through the accessors below (tests/test_compat.py checks that no module outside this one
+names a private symbol of those libraries, and that each entry resolves on the installed releases, so a new
+release tells at once what moved). ``nn.Module``'s own tables (``_parameters``, ``_buffers``) are torch's
+long-standing module protocol and are used directly.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Private:
+    """A private symbol (``module:attribute.path``) of ``library``, checked on the releases ``checked``."""
+
+    library: str
+    path: str
+    checked: str
+    why: str
+    fallback: str = "none: MissingPrivate names it"
+
+
+TORCH, TRANSFORMERS = "torch 2.13.0, 2.14.1", "transformers 5.24.0, 5.25.0"
+PRIVATE: dict[str, Private] = {p.path: p for p in (
+    Private("torch", "torch.distributed.tensor._utils:compute_local_shape_and_global_offset", TORCH,
+            "the box of a DTensor this rank holds (_StridedShard included), for the loader"),
+    Private("torch", "torch.distributed.tensor._utils:_compute_local_shape_and_global_offset", TORCH,
+            "the box any rank of a layout holds, for inspect"),
+    Private("torch", "torch.distributed.tensor.placement_types:_StridedShard", TORCH,
+            "LoRA B columns of whole experts under ExpertParallel (FSDP2 makes the same placement)"),
+    Private("torch", "torch.testing._internal.distributed.fake_pg:FakeStore", TORCH,
+            "inspect's fake process group of the layout's size"),
+    Private("torch", "torch.distributed.device_mesh:DeviceMesh._get_root_mesh", TORCH,
+            "whether a 1-D mesh was cut from one covering the world; inspect's root layout"),
+    Private("torch", "torch.distributed.distributed_c10d:_set_pg_timeout", TORCH,
+            "from_pretrained(timeout=) on groups the caller started (torch 2.14 publishes torch.distributed."
+            "set_timeout, used where present)", "without either: a warning, the groups keep their own timeouts"),
+    Private("torch", "torch.distributed.distributed_c10d:_get_default_store", TORCH,
+            "ranks that report a failed collective (CollectiveFailure names the others)",
+            "without it: the failure is raised without naming the missing ranks"),
+    Private("transformers", "transformers.integrations.moe:_default_apply_gate", TRANSFORMERS,
+            "whether an expert class gates as transformers' default (else its own gate is used)"),
+    Private("transformers", "transformers.distributed.parallel_utils:ALL_PARALLEL_STYLES._global_mapping",
+            TRANSFORMERS, "uninstall() removes our style names from transformers' registry"),
+    Private("transformers", "transformers.trainer:Trainer._save_optimizer_and_scheduler", TRANSFORMERS,
+            "DCP checkpoints of our models' optimizer state (hf_moe_tp.trainer)"),
+    Private("transformers", "transformers.trainer:Trainer._load_optimizer_and_scheduler", TRANSFORMERS,
+            "resume from those checkpoints"),
+    Private("transformers", "transformers.trainer:Trainer._load_from_checkpoint", TRANSFORMERS,
+            "resume of the model's shards"),
+    Private("transformers", "transformers.trainer:Trainer._load_best_model", TRANSFORMERS,
+            "load_best_model_at_end with our checkpoints"),
+    Private("accelerate", "accelerate.parallelism_config:ParallelismConfig._validate_accelerator", "accelerate 1.16",
+            "ParallelismConfig on CPU processes (hf_moe_tp.accelerate_cpu)"),
+    Private("peft", "peft.tuners.lora:LoraModel._create_and_replace", "peft 0.21",
+            "every LoRA adapter PEFT builds on our model is sharded right after"),
+    Private("peft", "peft.tuners.lora:LoraModel._check_new_adapter_config", "peft 0.21",
+            "options we cannot place are refused before PEFT injects anything"),
+    Private("peft", "peft.tuners.lora:LoraModel._unload_and_optionally_merge", "peft 0.21",
+            "merge_and_unload() on split weights"),
+)}
+# Attributes transformers reads from a model or config (its protocol for models it sharded at load time), set or
+# read by us: checked on the releases above.
+MODEL_TP_SIZE = "_tp_size"
+MODEL_LOADED_DISTRIBUTED = "_is_distributed_loading_by_transformers"
+MODEL_FSDP_MANAGED = "_is_fsdp_managed_module"
+CONFIG_EXPERTS_IMPLEMENTATION = "_experts_implementation_internal"
+# transformers' model and expert-class protocol (underscored attributes its own loaders and plans read)
+MODEL_TP_PLAN = "_tp_plan"
+MODEL_NO_SPLIT = "_no_split_modules"
+MODEL_IGNORE_ON_LOAD = "_keys_to_ignore_on_load_unexpected"
+MODEL_IGNORE_ON_SAVE = "_keys_to_ignore_on_save"
+MODEL_WEIGHT_CONVERSIONS = "_weight_conversions"
+EXPERTS_APPLY_GATE = "_apply_gate"
+# PEFT's marks on a layer transformers split (it splits adapters after them)
+PEFT_TP_PLAN, PEFT_DEVICE_MESH = "_hf_tp_plan", "_hf_device_mesh"
+# Trainer methods hf_moe_tp.trainer wraps (the public ones too, with the private above)
+TRAINER_SAVE_OPTIMIZER = "_save_optimizer_and_scheduler"
+TRAINER_LOAD_OPTIMIZER = "_load_optimizer_and_scheduler"
+TRAINER_LOAD_CHECKPOINT = "_load_from_checkpoint"
+TRAINER_LOAD_BEST = "_load_best_model"
+ACCELERATE_VALIDATE = "_validate_accelerator"
+LORA_CREATE = "_create_and_replace"
+LORA_CHECK = "_check_new_adapter_config"
+LORA_UNLOAD = "_unload_and_optionally_merge"
+
+
+class MissingPrivate(ImportError):
+    """A private symbol hf_moe_tp relies on is not in the installed release (the message names both)."""
+
+
+def resolve(path: str) -> Any:
+    """The object at ``path`` (a key of :data:`PRIVATE`), or :class:`MissingPrivate` naming it and the release."""
+    entry = PRIVATE[path]
+    module_name, _, attrs = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for attr in attrs.split("."):
+            obj = getattr(obj, attr)
+    except (ImportError, AttributeError) as e:
+        version = getattr(importlib.import_module(entry.library), "__version__", "?")
+        raise MissingPrivate(f"{path} is not in the installed {entry.library} {version} (hf_moe_tp checked it on "
+                             f"{entry.checked}; used for: {entry.why}; without it: {entry.fallback})") from e
+    return obj
+
+
+# ---- accessors ---------------------------------------------------------------------------------------------------
+
+
+def local_shape_and_offset(shape, mesh, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offset) of this rank's shard of a DTensor of ``shape`` placed so on ``mesh``."""
+    return resolve("torch.distributed.tensor._utils:compute_local_shape_and_global_offset")(shape, mesh, placements)
+
+
+def local_shape_and_offset_at(shape, mesh_shape, coordinate, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The same for the rank at ``coordinate`` of a mesh of ``mesh_shape``."""
+    fn = resolve("torch.distributed.tensor._utils:_compute_local_shape_and_global_offset")
+    return fn(shape, mesh_shape, coordinate, placements)
+
+
+def strided_shard(dim: int, split_factor: int):
+    """torch's ``_StridedShard(dim, split_factor=...)`` placement."""
+    return resolve("torch.distributed.tensor.placement_types:_StridedShard")(dim, split_factor=split_factor)
+
+
+def fake_store():
+    """A store for torch's ``"fake"`` backend (no communication, no processes)."""
+    return resolve("torch.testing._internal.distributed.fake_pg:FakeStore")()
+
+
+def root_mesh(mesh):
+    """The mesh ``mesh`` was cut from (itself if none)."""
+    return resolve("torch.distributed.device_mesh:DeviceMesh._get_root_mesh")(mesh)
+
+
+def set_group_timeout(timeout: timedelta, group) -> bool:
+    """Bound ``group``'s collectives by ``timeout``: torch's public ``set_timeout`` (2.14), else its private
+    predecessor (2.13); False where the installed torch has neither."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "set_timeout", None)
+    if fn is None:
+        try:
+            fn = resolve("torch.distributed.distributed_c10d:_set_pg_timeout")
+        except MissingPrivate:
+            return False
+    fn(timeout, group)
+    return True
+
+
+def default_store():
+    """The default process group's store, or None where the installed torch does not expose it."""
+    try:
+        return resolve("torch.distributed.distributed_c10d:_get_default_store")()
+    except MissingPrivate:
+        return None
+
+
+def default_apply_gate():
+    """transformers' default expert gating function."""
+    return resolve("transformers.integrations.moe:_default_apply_gate")
+
+
+def from_config(cls, config, **kwargs):
+    """A model of class ``cls`` built from ``config``: its public ``from_config`` where it has one, else
+    transformers' ``_from_config`` (the concrete classes: checked on the releases above)."""
+    if hasattr(cls, "from_config"):
+        return cls.from_config(config, **kwargs)
+    return cls._from_config(config, **kwargs)
+
+
+def grouped_mm_kernel():
+    """torch's grouped matmul: ``torch.nn.functional.grouped_mm`` (public from 2.10), else the older private
+    ``torch._grouped_mm``; None where neither exists (the per-expert loop then runs)."""
+    import torch
+
+    return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def unregister_parallel_style(name: str) -> None:
+    """Remove ``name`` from transformers' parallel-style registry."""
+    resolve("transformers.distributed.parallel_utils:ALL_PARALLEL_STYLES._global_mapping").pop(name, None)
