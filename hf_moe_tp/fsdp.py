@@ -107,8 +107,7 @@ def _lookup_only(module: nn.Module) -> bool:
 def _expert_params_over_batches(model: nn.Module, dp_mesh: DeviceMesh) -> set[nn.Parameter]:
     """Parameters on a 2-D mesh with an ``"ep"`` dimension (the ``(ep, tp)`` layout): whole experts per rank,
     fed every ep rank's tokens. FSDP2 leaves them; :func:`divide_expert_gradients` averages their gradients."""
-    out = {p for p in model.parameters()
-           if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ()) and p.device_mesh.ndim > 1}
+    out = {p for p in model.parameters() if _over_batches(p)}
     if out and dp_mesh.size() != next(iter(out)).device_mesh["ep"].size():
         raise ValueError(f"FSDP over {dp_mesh.size()} ranks with experts over an 'ep' dimension of "
                          f"{next(iter(out)).device_mesh['ep'].size()}: the data-parallel ranks must be the ep ranks")
@@ -119,9 +118,7 @@ def divide_expert_gradients(model: nn.Module) -> None:
     """Divide the gradients of experts over an ``"ep"`` dimension that carries the batches by its size, as FSDP2
     divides the rest (a hook per parameter; idempotent). A hook belongs to the parameter object, so this runs
     once the parameters are allocated: the loader replaces meta parameters with new ones."""
-    for p in model.parameters():
-        if not (isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ()) and p.device_mesh.ndim > 1):
-            continue
+    for p in filter(_over_batches, model.parameters()):
         if p.is_meta:
             raise RuntimeError("divide_expert_gradients before the parameters are loaded: a hook on a meta "
                                "parameter is lost when the loader allocates it")
@@ -129,3 +126,8 @@ def divide_expert_gradients(model: nn.Module) -> None:
             size = p.device_mesh["ep"].size()
             p.register_hook(lambda g, size=size: g / size)
             p._hf_moe_tp_divided = True
+
+
+def _over_batches(p: nn.Parameter) -> bool:
+    """A parameter on a 2-D mesh with an ``"ep"`` dimension: whole experts per rank, fed every ep rank's tokens."""
+    return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ()) and p.device_mesh.ndim > 1

@@ -165,7 +165,9 @@ def _broadcast_from_first(targets: dict[str, torch.Tensor], group: dist.ProcessG
                           receives: bool) -> int:
     """Send every local tensor of ``targets`` from the group's first rank (which read them) to the others; raise
     on every rank of the group if the first rank's reads failed. Returns the bytes this rank received."""
-    status = torch.tensor([0 if failed is None else 1])
+    # on the tensors' device: NCCL broadcasts CUDA tensors only
+    device = next((_local(t).device for t in targets.values()), torch.device("cpu"))
+    status = torch.tensor([0 if failed is None else 1], device=device)
     dist.broadcast(status, dist.get_global_rank(group, 0), group=group)
     if failed is not None:
         raise failed
