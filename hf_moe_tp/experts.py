@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from transformers.activations import ACT2FN
 
+from ._compat import local_shape_and_offset
 from .grouped_mm import grouped_mm
 
 
@@ -77,7 +78,8 @@ class GroupedExperts(nn.Module):
     experts' outputs (Llama 4).
 
     ``post_expert_norm``: a module (a norm over ``dim``) applied to each expert's output row before the routing
-    weight (MuseSpark). Split experts give partial rows, so the parallel styles complete the rows first
+    weight (MuseSpark); with ``norm_per_expert`` it is called with each row's (global) expert id too, for a norm
+    with one weight per expert (Ergo). Split experts give partial rows, so the parallel styles complete the rows first
     (:attr:`row_reduce`).
 
     ``column_major``: store each expert's matrices transposed in memory (``w1[e]`` as (hidden, dim), as
@@ -98,6 +100,7 @@ class GroupedExperts(nn.Module):
         bias: bool = False,
         score_before_experts: bool = False,
         post_expert_norm: nn.Module | None = None,
+        norm_per_expert: bool = False,
         column_major: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -120,6 +123,7 @@ class GroupedExperts(nn.Module):
         self.b3 = param(num_experts, hidden) if bias and gated else None
         self.b2 = param(num_experts, dim) if bias else None
         self.post_expert_norm = post_expert_norm
+        self.norm_per_expert = norm_per_expert
         # set by a parallel style whose experts give partial rows: completes them (an all-reduce) before the norm
         self.row_reduce = None
         if self.w1.device.type != "meta":
@@ -192,7 +196,10 @@ class GroupedExperts(nn.Module):
         if self.post_expert_norm is not None:
             if self.row_reduce is not None:
                 out = self.row_reduce(out)
-            out = self.post_expert_norm(out)
+            if self.norm_per_expert:  # this rank's experts are the global ones from its first (ExpertParallel)
+                out = self.post_expert_norm(out, expert_of_row + _first_expert(self.w1))
+            else:
+                out = self.post_expert_norm(out)
 
         # Weight, put back in (token, slot) order and sum the slots: accumulates in the routing weights'
         # dtype (fp32 from most routers) and rounds once, as transformers does.
@@ -222,6 +229,13 @@ def empty_weight(shape: tuple[int, ...] | torch.Size, column_major: bool, **kwar
     if not column_major:
         return torch.empty(*shape, **kwargs)
     return torch.empty(*shape[:-2], shape[-1], shape[-2], **kwargs).transpose(-1, -2)
+
+
+def _first_expert(w: torch.Tensor) -> int:
+    """The global index of this rank's first expert: 0 unless ``w`` is split by experts (``Shard(0)``)."""
+    if not isinstance(w, DTensor) or not any(isinstance(p, Shard) and p.dim == 0 for p in w.placements):
+        return 0
+    return local_shape_and_offset(w.shape, w.device_mesh, w.placements)[1][0]
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -131,7 +131,8 @@ class Fp8Experts(KeptFp8, GroupedExperts):
                  column_major: bool, name: str) -> None:
         super().__init__(experts.num_experts, experts.dim, experts.hidden, activation=experts.activation,
                          bias=experts.b1 is not None, score_before_experts=experts.score_before_experts,
-                         post_expert_norm=experts.post_expert_norm, column_major=column_major, device="meta",
+                         post_expert_norm=experts.post_expert_norm, norm_per_expert=experts.norm_per_expert,
+                         column_major=column_major, device="meta",
                          dtype=experts.w1.dtype)
         for bias in ("b1", "b3", "b2"):
             if getattr(experts, bias) is not None:

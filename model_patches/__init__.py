@@ -11,6 +11,7 @@ from torch import nn
 from .base import Adapter
 from .beam import BeamAdapter
 from .deepseek_v4 import DeepseekV4Adapter
+from .ergo import ErgoAdapter
 from .ernie4_5_vl_moe import Ernie45VLMoeAdapter
 from .gpt_oss import GptOssAdapter
 from .inkling2_loop import Inkling2LoopAdapter
@@ -22,6 +23,7 @@ from .mistral_large4 import MistralLarge4Adapter
 FAMILIES: dict[str, Adapter] = {
     "beam": BeamAdapter(),
     "deepseek_v4": DeepseekV4Adapter(),
+    "ergo": ErgoAdapter(),
     "ernie4_5_vl_moe": Ernie45VLMoeAdapter(),
     "gpt_oss": GptOssAdapter(),
     "inkling2_loop": Inkling2LoopAdapter(),

@@ -54,13 +54,18 @@ class Adapter:
 
     def layout(self, module: nn.Module) -> ExpertLayout:
         """The layout transformers' ``@use_experts_implementation`` flags describe. A class that overrides the
-        decorated forward (Ergo's per-route expert norm around it) computes something the flags do not say: it is
-        refused by name, since GroupedExperts would silently compute the decorated forward alone."""
+        decorated forward computes something the flags do not say: it is refused by name, since GroupedExperts
+        would silently compute the decorated forward alone (a family adapter that understands the override reads
+        :meth:`flags_layout` instead: Ergo)."""
         own = _own_forward(type(module))
         if own is not None:
             raise NotImplementedError(f"{type(module).__name__} overrides the forward of transformers' decorated "
                                       f"experts ({own.__qualname__}): the generic adapter maps only the decorated "
                                       f"layout; this family needs an adapter in model_patches/")
+        return self.flags_layout(module)
+
+    def flags_layout(self, module: nn.Module) -> ExpertLayout:
+        """The layout the decorator's flags and the weights' shapes give."""
         gated = module.has_gate
         up = module.gate_up_proj if gated else module.up_proj
         num_experts, *rest = up.shape

@@ -6,7 +6,9 @@ transposed experts without biases (aria), a multimodal family's text decoder wit
 activation (minimax_m3_vl), a hub-style per-expert family (flex_olmo), MLA attention split by heads, whose
 rotary key gradient is summed (deepseek_v2, transformers' ``mla_kv_a_proj``), a text decoder whose per-head
 norms transformers' plan leaves out (qwen3_vl_moe), and a checkpoint whose q/k/v convolutions transformers
-concatenates into one parameter (kimi_linear, a ``Concatenate`` conversion read piece by piece).
+concatenates into one parameter (kimi_linear, a ``Concatenate`` conversion read piece by piece). From transformers
+5.25: Ergo (its own adapter: a per-expert norm around the decorated experts, a router and shared expert stored
+transposed) and MiniCPM5-MoE (key/value projections under transformers' ``unit_colwise``).
 
 Two multimodal families run whole, through the class their checkpoints declare, with an image and a video:
 ERNIE-4.5-VL (hub checkpoint with text and vision experts in one list, vision experts routed for the image
@@ -27,9 +29,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBSET = ["aria", "minimax_m3_vl", "flex_olmo", "deepseek_v2", "qwen3_vl_moe", "kimi_linear"]
+if Version(transformers.__version__) >= Version("5.25"):  # families transformers 5.25 adds
+    SUBSET += ["ergo", "minicpm5_moe"]
 MULTIMODAL = {"ernie4_5_vl_moe": ["image", "video"], "glm4v_moe": ["image", "video"], "unlimited_ocr": ["image"]}
 
 

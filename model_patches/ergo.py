@@ -1,0 +1,27 @@
+"""Ergo: the generic layout (ungated relu2 experts, transposed) around which its experts class adds a per-route
+RMSNorm with one weight per expert (``post_expert_norm``, (E, dim)) before the routing weight. GroupedExperts runs
+the norm on each expert's complete output rows (after the TP all-reduce; whole rows under EP), called with each
+row's global expert id."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hf_moe_tp.experts import GroupedExperts
+
+from .base import Adapter, ExpertLayout
+
+
+class ErgoAdapter(Adapter):
+    name = "ergo"
+
+    def layout(self, module: nn.Module) -> ExpertLayout:
+        if type(module).__name__ != "ErgoExperts":
+            return super().layout(module)
+        return self.flags_layout(module)  # its own forward: the decorated projections, then the norm below
+
+    def new_experts(self, module: nn.Module, layout: ExpertLayout) -> GroupedExperts:
+        p = next(module.parameters())
+        return GroupedExperts(layout.num_experts, layout.dim, layout.hidden, activation=self.activation(module),
+                              bias=layout.bias, post_expert_norm=module.post_expert_norm, norm_per_expert=True,
+                              device=p.device, dtype=p.dtype)
