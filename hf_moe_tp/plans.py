@@ -59,6 +59,9 @@ HF_STYLES_HANDLED_ELSEWHERE = {
     "local_params": "hf_plan.local_params_entries",
     "replicate": "kept whole, as transformers keeps it",
     "embedding_colwise": "kept whole: a whole embedding gives the same output",
+    # transformers 5.24 (Inkling's shared expert): all-reduce a block's partial output; our row-wise styles reduce
+    # their own outputs, so the block's output is whole already
+    "all_reduce": "row-wise outputs are reduced by the row-wise style itself",
     # expert entries: experts are GroupedExperts under our own styles
     "moe_tp_experts": "experts", "packed_colwise": "experts", "packed_rowwise": "experts",
     "grouped_gemm": "experts", "ep_dispatch_experts": "experts",
