@@ -29,7 +29,7 @@ from ._compat import fake_store, local_shape_and_offset_at, root_mesh
 from .checkpoint import INDEX_FILE, SINGLE_FILE, ST_DTYPES, Checkpoint
 from .conversions import model_keys, parameter_sources
 from .fsdp import shard_data_parallel
-from .loading import default_threads
+from .loading import default_threads, load_targets
 from .meshes import resolve_layout
 from .quantized import CheckpointView, checkpoint_view
 from .towers import towers
@@ -52,6 +52,7 @@ class Inspection:
     layout: dict[str, int] = field(default_factory=dict)  # mesh dimension name -> size
     rank_buffer_bytes: list[int] = field(default_factory=list)  # the loader's read buffers at most (all threads)
     weights: bool = True  # False: a config alone; the disk figures assume an unquantized checkpoint
+    fsdp: bool = False  # FSDP2 over data-parallel dimensions after the plan
 
     @property
     def rank_optimizer_bytes(self) -> list[int]:
@@ -101,7 +102,7 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
         tower_layouts = {name: tower_layout(model, name, plan) for name in towers(model)}  # TP's splits, not FSDP's
         if layout.dp is not None:
             shard_data_parallel(model, layout.dp)
-        targets = _targets(model)
+        targets = load_targets(model)
         boxes = _Boxes(dims)
         params = {id(p) for p in model.parameters()}
         rank_bytes = [sum(_nbytes(t, boxes(t, r)) for t in targets.values() if id(t) in params) for r in range(world)]
@@ -130,20 +131,10 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
         rank_disk_bytes=disk_bytes,
         towers=tower_layouts,
         layout=dims,
+        fsdp=layout.dp is not None,
         rank_buffer_bytes=[default_threads() * b for b in largest],
         weights=weights,
     )
-
-
-def _targets(model) -> dict[str, torch.Tensor]:
-    """The tensors a load fills: the state dict, one name per tensor."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            out[name] = t
-    return out
 
 
 def _nbytes(t: torch.Tensor, box: tuple[tuple[int, int], ...]) -> int:
@@ -219,8 +210,6 @@ def tower_layout(model, name: str, plan: dict) -> TowerLayout:
                        list(dict.fromkeys(re.sub(r"\.\d+(\.|$)", r".*\1", n) for n in replicated)))
 
 
-
-
 def _summarise(plan: dict) -> dict[str, str]:
     """Group concrete module names by their pattern (layer numbers -> ``*``)."""
     grouped: dict[str, Counter] = {}
@@ -259,8 +248,7 @@ def print_inspection(report: Inspection) -> None:
     for pattern, style in report.plan.items():
         print(f"  {pattern:<{width}}  {style}")
     print("  every other parameter: replicated DTensor (LocalParams)")
-    if any(n.startswith("dp") for n in report.layout) or (report.layout.get("ep") and "tp" in report.layout
-                                                          and report.layout.get("ep", 1) > 1):
+    if report.fsdp:
         print("  then FSDP2 over the data-parallel dimension(s): each decoder layer, the embeddings, the root")
     for name, tower in report.towers.items():
         print(f"tower {name} ({tower.model_class}): {len(tower.split)} module pattern(s) split, "

@@ -83,7 +83,7 @@ def load_checkpoint(
         for module in model.modules():  # expert weights in their own layout (column-major or not)
             if isinstance(module, GroupedExperts):
                 module.materialize(device)
-        targets = _targets(model)
+        targets = load_targets(model)
         found = parameter_sources(model, targets, shapes)
         kept = kept_scales(model)
         if kept:  # FP8 weights kept quantized (keep_quantized=True): their bytes, and their scales beside them
@@ -167,14 +167,14 @@ def _broadcast_from_first(targets: dict[str, torch.Tensor], group: dist.ProcessG
     on every rank of the group if the first rank's reads failed. Returns the bytes this rank received."""
     # on the tensors' device: NCCL broadcasts CUDA tensors only
     device = next((_local(t).device for t in targets.values()), torch.device("cpu"))
+    source = dist.get_global_rank(group, 0)
     status = torch.tensor([0 if failed is None else 1], device=device)
-    dist.broadcast(status, dist.get_global_rank(group, 0), group=group)
+    dist.broadcast(status, source, group=group)
     if failed is not None:
         raise failed
     if status.item():
-        raise CheckpointError(f"reading failed on rank {dist.get_global_rank(group, 0)}, which reads for its "
-                              "replicas (its own error names the file and key)")
-    source = dist.get_global_rank(group, 0)
+        raise CheckpointError(f"reading failed on rank {source}, which reads for its replicas (its own error names "
+                              "the file and key)")
     received = 0
     for tensor in targets.values():
         local = _local(tensor).detach()
@@ -204,7 +204,7 @@ def local_box(t: torch.Tensor) -> Box:
     return tuple((o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
-def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
+def load_targets(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers to load, one name per tensor (tied copies are re-tied later)."""
     seen: set[int] = set()
     out = {}
