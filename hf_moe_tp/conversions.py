@@ -3,7 +3,7 @@
 - Names: transformers' renamings for the family (``get_model_conversion_mapping``) turn checkpoint keys into
   the model's names (:func:`model_keys`).
 - Experts: the family's adapter (``model_patches``) maps per-expert or packed checkpoint tensors onto
-  GroupedExperts' ``w1``/``w3``/``w2`` (:class:`hf_moe_tp.sources.Source` per tensor).
+  GroupedExperts' ``w1_weight``/``w3_weight``/``w2_weight`` (:class:`hf_moe_tp.sources.Source` per tensor).
 - Fused and split tensors: transformers' ``Concatenate``/``Split``/``Chunk`` converters become sources that
   fill part of a parameter (a ``Chunk`` after an ``Interleave``: every other row), ``Interleave`` on packed
   experts a layout flag.

@@ -75,7 +75,7 @@ class ExpertParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         ep_mesh, batch_mesh, placements = self._meshes(device_mesh)
-        num_experts = module.w1.shape[0]
+        num_experts = module.w1_weight.shape[0]
         per_rank = -(-num_experts // ep_mesh.size())
         empty = [r for r in range(ep_mesh.size()) if r * per_rank >= num_experts]
         if empty:
@@ -209,7 +209,7 @@ class _Dispatcher:
 
 
 def _local_experts(experts: nn.Module) -> int:
-    w1 = experts.w1
+    w1 = experts.w1_weight
     return (w1.to_local() if isinstance(w1, DTensor) else w1).shape[0]
 
 

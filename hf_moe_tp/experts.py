@@ -61,11 +61,17 @@ class ExpertActivation:
 
 
 class GroupedExperts(nn.Module):
-    """All experts of one MoE layer, stored as ``w1``/``w3`` (E, dim, hidden) and ``w2`` (E, hidden, dim).
+    """All experts of one MoE layer, seen as ``w1``/``w3`` (E, dim, hidden) and ``w2`` (E, hidden, dim).
 
     ``forward(hidden_states, top_k_index, top_k_weights)`` has the contract of transformers 5's expert
     modules, so it can stand in for them: ``hidden_states`` (T, dim), ``top_k_index`` (T, k) expert ids,
     ``top_k_weights`` (T, k) routing weights; returns (T, dim) in ``hidden_states``' dtype.
+
+    Storage: the parameters are ``w1_weight``/``w3_weight`` (E, hidden, dim) and ``w2_weight`` (E, dim, hidden),
+    each expert's matrix as ``nn.Linear`` and the checkpoints store it (out, in), contiguous; ``w1``/``w3``/``w2``
+    are their transposed views. Why: torch's CPU grouped matmul in bf16 is up to 8x slower on the other memory
+    order on CPUs without native bf16 (AVX2), loading copies the checkpoints' (out, in) slices without a
+    transpose, and FSDP2 shards only contiguous parameters (dim 0, the experts, either way).
 
     When the weights are DTensors (see :class:`hf_moe_tp.TensorParallel`) it computes on the local shards and
     returns this rank's plain local tensor: a partial sum when ``w2`` is split along ``hidden``. The parallel
@@ -81,14 +87,11 @@ class GroupedExperts(nn.Module):
     weight (MuseSpark); with ``norm_per_expert`` it is called with each row's (global) expert id too, for a norm
     with one weight per expert (Ergo). Split experts give partial rows, so the parallel styles complete the rows first
     (:attr:`row_reduce`).
-
-    ``column_major``: store each expert's matrices transposed in memory (``w1[e]`` as (hidden, dim), as
-    ``nn.Linear`` and most checkpoints do), with the same logical shapes. Loading such checkpoints then copies
-    without transposing; the grouped-matmul kernel takes either layout at the same speed.
     """
 
-    # transformers' flag for expert weights laid out (E, in, out), as these are; PEFT's target_parameters reads it
-    is_transposed = True
+    # transformers' flag for expert weights laid out (E, in, out); ours are stored (E, out, in), as transformers'
+    # own, so PEFT's target_parameters (which reads it) sizes adapters of w1_weight etc. as it does theirs
+    is_transposed = False
 
     def __init__(
         self,
@@ -101,7 +104,6 @@ class GroupedExperts(nn.Module):
         score_before_experts: bool = False,
         post_expert_norm: nn.Module | None = None,
         norm_per_expert: bool = False,
-        column_major: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -109,16 +111,14 @@ class GroupedExperts(nn.Module):
         self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
         self.activation = activation or ExpertActivation()
         self.score_before_experts = score_before_experts
-        self.column_major = column_major
         gated = self.activation.gated
 
         def param(*shape: int) -> nn.Parameter:
-            layout = column_major and len(shape) == 3
-            return nn.Parameter(empty_weight(shape, layout, device=device, dtype=dtype))
+            return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
 
-        self.w1 = param(num_experts, dim, hidden)
-        self.w3 = param(num_experts, dim, hidden) if gated else None
-        self.w2 = param(num_experts, hidden, dim)
+        self.w1_weight = param(num_experts, hidden, dim)
+        self.w3_weight = param(num_experts, hidden, dim) if gated else None
+        self.w2_weight = param(num_experts, dim, hidden)
         self.b1 = param(num_experts, hidden) if bias else None
         self.b3 = param(num_experts, hidden) if bias and gated else None
         self.b2 = param(num_experts, dim) if bias else None
@@ -126,36 +126,35 @@ class GroupedExperts(nn.Module):
         self.norm_per_expert = norm_per_expert
         # set by a parallel style whose experts give partial rows: completes them (an all-reduce) before the norm
         self.row_reduce = None
-        if self.w1.device.type != "meta":
+        if self.w1_weight.device.type != "meta":
             self.reset_parameters()
 
-    def store_column_major(self, column_major: bool = True) -> None:
-        """Re-lay ``w1``/``w3``/``w2`` in memory (values kept; meta stays meta). Before sharding only."""
-        for name in ("w1", "w3", "w2"):
-            p = getattr(self, name)
-            if p is None:
-                continue
-            if isinstance(p, DTensor):
-                raise RuntimeError(f"store_column_major on sharded {name}: call it before parallelize_module")
-            t = empty_weight(p.shape, column_major, dtype=p.dtype, device=p.device)
-            if p.device.type != "meta":
-                with torch.no_grad():
-                    t.copy_(p)
-            setattr(self, name, nn.Parameter(t, requires_grad=p.requires_grad))
-        self.column_major = column_major
+    @property
+    def w1(self) -> torch.Tensor:
+        """(E, dim, hidden): ``w1_weight`` transposed, a view (a DTensor where it is one)."""
+        return self.w1_weight.transpose(-1, -2)
+
+    @property
+    def w3(self) -> torch.Tensor | None:
+        """(E, dim, hidden): ``w3_weight`` transposed, a view; None for ungated experts."""
+        return None if self.w3_weight is None else self.w3_weight.transpose(-1, -2)
+
+    @property
+    def w2(self) -> torch.Tensor:
+        """(E, hidden, dim): ``w2_weight`` transposed, a view."""
+        return self.w2_weight.transpose(-1, -2)
 
     def materialize(self, device: torch.device | str) -> None:
-        """Allocate (uninitialised) the local shards of parameters still on the meta device, in this module's
-        layout (column-major or not)."""
+        """Allocate (uninitialised) the local shards of parameters still on the meta device, in their memory order
+        (kept FP8 weights may be stored as their checkpoint stores them)."""
         for name, p in list(self.named_parameters(recurse=False)):
             local = _local(p)
             if local.device.type != "meta":
                 continue
-            column_major = self.column_major and p.dim() == 3
-            t = empty_weight(local.shape, column_major, dtype=p.dtype, device=device)
+            t = torch.empty_like(local, device=device)
             if isinstance(p, DTensor):
-                stride = empty_weight(p.shape, column_major, device="meta").stride()
-                t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=stride)
+                t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                       stride=p.stride())
             setattr(self, name, nn.Parameter(t, requires_grad=p.requires_grad))
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -178,7 +177,7 @@ class GroupedExperts(nn.Module):
         order = torch.argsort(flat, stable=True)
         expert_of_row = flat[order]
         # pairs per expert of this rank (all, unless EP); not bincount, whose output size is read on the host
-        counts = torch.zeros(_local(self.w1).shape[0], dtype=torch.long, device=flat.device)
+        counts = torch.zeros(_local(self.w1_weight).shape[0], dtype=torch.long, device=flat.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = x[order // top_k]
@@ -186,18 +185,18 @@ class GroupedExperts(nn.Module):
         if self.score_before_experts:
             rows = rows * row_weights.to(rows.dtype)
 
-        h1 = _with_bias(self._matmul(rows, "w1", expert_of_row, offsets), self.b1, expert_of_row)
+        h1 = _with_bias(self._matmul(rows, "w1_weight", expert_of_row, offsets), self.b1, expert_of_row)
         h3 = None
-        if self.w3 is not None:
-            h3 = _with_bias(self._matmul(rows, "w3", expert_of_row, offsets), self.b3, expert_of_row)
-        out = self._matmul(self.activation(h1, h3), "w2", expert_of_row, offsets)
+        if self.w3_weight is not None:
+            h3 = _with_bias(self._matmul(rows, "w3_weight", expert_of_row, offsets), self.b3, expert_of_row)
+        out = self._matmul(self.activation(h1, h3), "w2_weight", expert_of_row, offsets)
         if self.b2 is not None:
-            out = out + _OnceAcrossShards.apply(_local(self.b2), _adds_row_bias(self.w2))[expert_of_row]
+            out = out + _OnceAcrossShards.apply(_local(self.b2), _adds_row_bias(self.w2_weight))[expert_of_row]
         if self.post_expert_norm is not None:
             if self.row_reduce is not None:
                 out = self.row_reduce(out)
             if self.norm_per_expert:  # this rank's experts are the global ones from its first (ExpertParallel)
-                out = self.post_expert_norm(out, expert_of_row + _first_expert(self.w1))
+                out = self.post_expert_norm(out, expert_of_row + _first_expert(self.w1_weight))
             else:
                 out = self.post_expert_norm(out)
 
@@ -210,25 +209,16 @@ class GroupedExperts(nn.Module):
 
     def _matmul(self, rows: torch.Tensor, name: str, expert_of_row: torch.Tensor, offsets: torch.Tensor
                 ) -> torch.Tensor:
-        """``rows`` (sorted by expert, ``offsets`` their cumulative ends) times their experts' weight ``name``.
-        Kept FP8 experts (:mod:`hf_moe_tp.fp8`) dequantize here."""
-        return grouped_mm(rows, _local(getattr(self, name)), offsets)
+        """``rows`` (sorted by expert, ``offsets`` their cumulative ends) times their experts' stored weight
+        ``name`` (E, out, in), transposed. Kept FP8 experts (:mod:`hf_moe_tp.fp8`) dequantize here."""
+        return grouped_mm(rows, _local(getattr(self, name)).transpose(-1, -2), offsets)
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, dim={self.dim}, hidden={self.hidden}, "
             f"activation={self.activation}, bias={self.b1 is not None}"
             + (", score_before_experts=True" if self.score_before_experts else "")
-            + (", column_major=True" if self.column_major else "")
         )
-
-
-def empty_weight(shape: tuple[int, ...] | torch.Size, column_major: bool, **kwargs) -> torch.Tensor:
-    """``torch.empty(shape)``, or for ``column_major`` the same logical shape with the last two dims swapped
-    in memory."""
-    if not column_major:
-        return torch.empty(*shape, **kwargs)
-    return torch.empty(*shape[:-2], shape[-1], shape[-2], **kwargs).transpose(-1, -2)
 
 
 def _first_expert(w: torch.Tensor) -> int:

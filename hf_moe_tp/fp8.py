@@ -3,12 +3,13 @@ checkpoint (DeepSeek-V3/R1, Kimi-K2, Qwen3-*-FP8, ...).
 
 - Weights: the checkpoint's FP8 tensors, byte for byte, as sharded DTensors in its (out, in) memory order:
   :class:`Fp8Linear` (an ``nn.Linear``, so the column- and row-wise styles place it) and :class:`Fp8Experts` (a
-  :class:`GroupedExperts` whose ``w1``/``w3``/``w2`` keep their logical shapes, stored as the checkpoint stores them).
-- Scales: a buffer beside each weight (``weight_scale``, ``w1_scale``, ...) in the checkpoint's scale dtype, shaped
-  as the weight but with one entry per block along one matrix dim (:attr:`BlockScales.dim`, a dim no style splits)
-  and one per element along the other: each row (or column) keeps its own copy of its block's scale. The buffer is
-  placed as its weight is, so each rank holds exactly the scales of its own rows or columns, also where a shard
-  splits a block. The copies cost one scale per ``block`` weight elements (4 bytes per 128: about 3 %).
+  :class:`GroupedExperts` whose ``w1_weight``/``w3_weight``/``w2_weight`` keep their shapes, in the checkpoint's memory
+  order).
+- Scales: a buffer beside each weight (``weight_scale``, ``w1_weight_scale``, ...) in the checkpoint's scale dtype,
+  shaped as the weight but with one entry per block along one matrix dim (:attr:`BlockScales.dim`, a dim no style
+  splits) and one per element along the other: each row (or column) keeps its own copy of its block's scale. The
+  buffer is placed as its weight is, so each rank holds exactly the scales of its own rows or columns, also where a
+  shard splits a block. The copies cost one scale per ``block`` weight elements (4 bytes per 128: about 3 %).
 - Forward: each rank multiplies its own FP8 elements by their scales in fp32 and rounds once to the model's dtype
   (the values a dequantizing load holds), then computes as the plain layer does. Experts: with fewer (token, slot)
   rows than local experts (decoding), only each row's own expert, gathered per row; otherwise every local expert,
@@ -36,7 +37,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from .checkpoint import Checkpoint
 from .conversions import model_keys, parameter_sources
-from .experts import GroupedExperts, empty_weight
+from .experts import GroupedExperts
 from .grouped_mm import grouped_mm
 from .linear import ColumnParallel, RowParallel
 from .plans import _style_for
@@ -45,7 +46,8 @@ from .sources import Axis, Source
 from .styles import LocalParams, NoParallel
 
 SCALE_SUFFIX = "_scale_inv"  # the hub's name for a weight's scales: ``<weight>_scale_inv``
-EXPERT_BLOCKED = {"w1": 1, "w3": 1, "w2": 2}  # the model dim: TP splits hidden, EP the experts, nothing this one
+# the model dim of each stored (E, out, in) expert weight: TP splits hidden, EP the experts, nothing this one
+EXPERT_BLOCKED = {"w1_weight": 2, "w3_weight": 2, "w2_weight": 1}
 CHUNK = 8  # experts dequantized at a time when all of them are
 TORCH_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F32": torch.float32,
                 "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8, "F8_E8M0": torch.float8_e8m0fnu}
@@ -70,10 +72,9 @@ class KeptFp8:
     qualified_name: str  # for errors
 
     def _keep(self, weight: str, dtype: torch.dtype, scales: BlockScales, scale_dtype: torch.dtype,
-              column_major: bool = False) -> None:
+              swapped: bool = False) -> None:
         shape = tuple(getattr(self, weight).shape)
-        setattr(self, weight, nn.Parameter(empty_weight(shape, column_major, dtype=dtype, device="meta"),
-                                           requires_grad=False))
+        setattr(self, weight, nn.Parameter(_empty(shape, swapped, dtype=dtype), requires_grad=False))
         grid = list(shape)
         grid[scales.dim] = -(-grid[scales.dim] // scales.block)
         self.register_buffer(scales.scale, torch.empty(grid, dtype=scale_dtype, device="meta"))
@@ -124,31 +125,31 @@ class Fp8Linear(KeptFp8, nn.Linear):
 
 
 class Fp8Experts(KeptFp8, GroupedExperts):
-    """A :class:`GroupedExperts` whose ``w1``/``w3``/``w2`` are kept FP8 (same logical shapes, the checkpoint's
-    memory order), with their scales in ``w1_scale``/``w3_scale``/``w2_scale``."""
+    """A :class:`GroupedExperts` whose ``w1_weight``/``w3_weight``/``w2_weight`` are kept FP8 (same shapes, the
+    checkpoint's memory order: ``swapped`` where it stores each expert (in, out)), with their scales in
+    ``w1_weight_scale``/...."""
 
     def __init__(self, experts: GroupedExperts, kept: dict[str, tuple[torch.dtype, BlockScales, torch.dtype]],
-                 column_major: bool, name: str) -> None:
+                 swapped: bool, name: str) -> None:
         super().__init__(experts.num_experts, experts.dim, experts.hidden, activation=experts.activation,
                          bias=experts.b1 is not None, score_before_experts=experts.score_before_experts,
                          post_expert_norm=experts.post_expert_norm, norm_per_expert=experts.norm_per_expert,
-                         column_major=column_major, device="meta",
-                         dtype=experts.w1.dtype)
+                         device="meta", dtype=experts.w1_weight.dtype)
         for bias in ("b1", "b3", "b2"):
             if getattr(experts, bias) is not None:
                 setattr(self, bias, getattr(experts, bias))
         if hasattr(experts, "checkpoint_layout"):
             self.checkpoint_layout = experts.checkpoint_layout
-        self.fp8_scales, self.compute_dtype, self.qualified_name = {}, experts.w1.dtype, name
+        self.fp8_scales, self.compute_dtype, self.qualified_name = {}, experts.w1_weight.dtype, name
         for weight, (dtype, scales, scale_dtype) in kept.items():
-            self._keep(weight, dtype, scales, scale_dtype, column_major)
+            self._keep(weight, dtype, scales, scale_dtype, swapped)
 
     def _matmul(self, rows: torch.Tensor, name: str, expert_of_row: torch.Tensor, offsets: torch.Tensor
                 ) -> torch.Tensor:
         if rows.shape[0] < _local(getattr(self, name)).shape[0]:  # decoding: each row's own expert, gathered
             w = self.dequantized(name, expert_of_row)
-            return torch.bmm(rows.to(w.dtype).unsqueeze(1), w).squeeze(1)
-        return grouped_mm(rows, self.dequantized(name), offsets)
+            return torch.bmm(rows.to(w.dtype).unsqueeze(1), w.transpose(-1, -2)).squeeze(1)
+        return grouped_mm(rows, self.dequantized(name).transpose(-1, -2), offsets)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dim: int, block: int, dtype: torch.dtype) -> torch.Tensor:
@@ -212,7 +213,7 @@ def keep_fp8_weights(model: nn.Module, path: str | Path, plan: dict[str, Paralle
                 style, RowwiseParallel) else 1, quant.block)
             model.set_submodule(owner, Fp8Linear(module, dtype, scales, scale_dtype, owner))
             continue
-        missing = [w for w in ("w1", "w3", "w2") if getattr(module, w) is not None and w not in weights]
+        missing = [w for w in EXPERT_BLOCKED if getattr(module, w) is not None and w not in weights]
         if missing:
             raise ValueError(f"keep_quantized=True: {owner}.{missing[0]} is not FP8 in {path} while its other expert "
                              "weights are; load without keep_quantized")
@@ -307,6 +308,13 @@ def add_scale_sources(view: CheckpointView, sources: dict[str, list[Source]], ke
                 continue  # the weight's own tensor is missing: the loader's checks name it
             to_ckpt[source.key], shapes[source.key] = view.keep_fp8(stored, expanded)
             sources[scale].append(source)
+
+
+def _empty(shape: tuple[int, ...], swapped: bool, dtype: torch.dtype) -> torch.Tensor:
+    """A meta tensor of ``shape``, its last two dims swapped in memory where ``swapped``."""
+    if not swapped:
+        return torch.empty(shape, dtype=dtype, device="meta")
+    return torch.empty(*shape[:-2], shape[-1], shape[-2], dtype=dtype, device="meta").transpose(-1, -2)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,7 @@ def load_checkpoint(
         to_ckpt = model_keys(model, list(view.tensors))
         shapes = {name: view.tensors[key].shape for name, key in to_ckpt.items()}
         device = _device(model)
-        for module in model.modules():  # expert weights in their own layout (column-major or not)
+        for module in model.modules():  # expert weights in their own memory order (kept FP8 ones: the checkpoint's)
             if isinstance(module, GroupedExperts):
                 module.materialize(device)
         targets = load_targets(model)

@@ -28,9 +28,10 @@ weight's mesh:
 - replicated base (routers, layers the plan leaves whole): both replicated, no communication; a base whose
   gradient is summed over the ranks (per-head layers, MLA's ``kv_a_proj_with_mqa``) gets the same sums;
 - the routed experts' weights through ``target_parameters`` (PEFT's ``ParamWrapper``), named as ours:
-  ``w1``/``w3`` (E, dim, hidden), split by hidden columns, so ``lora_B`` by rows; ``w2`` (E, hidden, dim), split
-  by hidden rows, so ``lora_A`` by columns; PEFT folds ``W + B @ A`` per expert into the weight for the experts'
-  forward, here on this rank's shard with the local factors; the replicated factor's gradient is summed;
+  ``w1_weight``/``w3_weight`` (E, hidden, dim), split by hidden (their output), so ``lora_B`` by rows;
+  ``w2_weight`` (E, dim, hidden), split by hidden (its input), so ``lora_A`` by columns; PEFT folds
+  ``W + B @ A`` per expert into the weight for the experts' forward, here on this rank's shard with the local
+  factors; the replicated factor's gradient is summed;
 - the same under ``ExpertParallel`` (whole experts per rank): both factors split by experts over ``ep``, as PEFT
   lays them out (``lora_A`` rows expert-major: ``Shard(0)``; ``lora_B`` columns rank-major:
   ``_StridedShard(1, split_factor=r)``), so a rank holds and folds only its experts' adapters; no communication
@@ -55,8 +56,9 @@ once, from rank 0 (moved into place when complete); ``PeftModel.from_pretrained`
 
 Refused by name, on every rank: PEFT methods other than LoRA, LoRA variants (DoRA, ...), initialisations that
 read the base weights (PiSSA, OLoRA, LoftQ, EVA, ...), adapters made on the meta device, LoRA on embeddings,
-``target_parameters`` other than GroupedExperts' ``w1``/``w3``/``w2`` (transformers' ``gate_up_proj``/
-``down_proj``, which PEFT makes of ``target_modules="all-linear"`` on several MoE families; routers; ``w2`` of
+``target_parameters`` other than GroupedExperts' ``w1_weight``/``w3_weight``/``w2_weight`` (transformers'
+``gate_up_proj``/``down_proj``, which PEFT makes of ``target_modules="all-linear"`` on several MoE families;
+routers; ``w2_weight`` of
 experts with a down bias under ``TensorParallel``; under ``ExpertParallel``: an ``(ep, tp)`` mesh without FSDP2
 over ``ep``, ranks holding their own batches without FSDP2, HSDP, experts that do not divide by the ep size),
 ``modules_to_save`` with FSDP2,
@@ -208,7 +210,7 @@ def check_config(config: Any, model: nn.Module) -> None:
 
 
 def _check_target_parameter(target: str, model: nn.Module) -> None:
-    """A ``target_parameters`` entry must name only GroupedExperts weights (``w1``, ``w3``, ``w2``) that
+    """A ``target_parameters`` entry must name only GroupedExperts weights (``w1_weight``, ...) that
     ``TensorParallel`` or ``ExpertParallel`` splits; PEFT matches a parameter whose dotted name ends with the
     entry."""
     from .expert_parallel import ExpertParallel
@@ -225,13 +227,14 @@ def _check_target_parameter(target: str, model: nn.Module) -> None:
             f"LoraConfig target_parameters entry {target!r} on the tensor-parallel model"
             + (f" names parameters of {wrong[0]} ({type(model.get_submodule(wrong[0])).__name__})" if wrong else
                " names no parameter of it")
-            + ": LoRA on parameters goes on the routed experts' weights as hf_moe_tp names them, w1 (gate), w3 (up),"
-              " w2 (down), e.g. target_parameters=['mlp.experts.w1', 'mlp.experts.w3', 'mlp.experts.w2'], not on "
+            + ": LoRA on parameters goes on the routed experts' weights as hf_moe_tp stores them, w1_weight (gate), "
+              "w3_weight (up), w2_weight (down), e.g. target_parameters=['mlp.experts.w1_weight', "
+              "'mlp.experts.w3_weight', 'mlp.experts.w2_weight'] (w1/w3/w2 are their transposed views), not on "
               "transformers' gate_up_proj/down_proj nor on routers. (With transformers 5 PEFT turns "
               "target_modules='all-linear', and gate_proj/up_proj/down_proj/w1/w2/w3/gate on Mixtral-, Qwen3-MoE- "
               "and DeepSeek-like models, into such entries; list the linear layers instead.)")
     styles = {name: getattr(module, "hf_moe_tp_style", None) for name, module in hits}
-    biased = [name for name, module in hits if target.endswith("w2") and module.b2 is not None
+    biased = [name for name, module in hits if target.endswith("w2_weight") and module.b2 is not None
               and type(styles[name]) is TensorParallel]
     if biased:
         raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r}: the experts {biased[0]} have a down "
@@ -255,7 +258,7 @@ def _check_expert_parallel(target: str, name: str, experts: nn.Module, model: nn
     another mesh, and their gradients, each ep rank's batch's, would need the caller's averaging over ``ep``);
     for the same reason a 1-D mesh's ranks must share the batch (``input_layout=Replicate()``). HSDP (two
     data-parallel dimensions beside the experts') is not placed (untested: it needs 8 ranks)."""
-    weight = experts.w1
+    weight = experts.w1_weight
     mesh = weight.device_mesh
     names = mesh.mesh_dim_names or ()
     if mesh.ndim > 2:
@@ -363,17 +366,17 @@ def _delta_by_experts(layer: nn.Module, adapter: str, weight: DTensor) -> torch.
     return delta
 
 
-EXPERT_WEIGHTS = ("w1", "w3", "w2")
+EXPERT_WEIGHTS = ("w1_weight", "w3_weight", "w2_weight")
 
 
 def _shard_expert_adapter(layer: nn.Module, adapter: str, where: str) -> None:
     """An adapter PEFT's ``ParamWrapper`` puts on a GroupedExperts weight (``target_parameters``): ``lora_A``
-    (r*E, in), ``lora_B`` (out, r*E), whole already (PEFT sizes them from the DTensor's whole shape), placed like
-    the weight's split. Under TensorParallel: ``w1``/``w3`` split by hidden columns, so B by rows; ``w2`` split by
-    hidden rows, so A by columns; the replicated factor's gradient (a partial sum over the ranks' hidden slices)
-    is summed. Under ExpertParallel: split by experts (:func:`_place_by_experts`). PEFT folds ``W + B @ A`` per
-    expert into the weight for the experts' forward; here that runs on this rank's shard of the weight and the
-    local factors."""
+    (r*E, in), ``lora_B`` (out, r*E), whole already (PEFT sizes them from the DTensor's whole shape), placed like the
+    weight's split. Under TensorParallel: ``w1_weight``/``w3_weight`` (E, hidden, dim) split by their output
+    rows, so B by rows; ``w2_weight`` (E, dim, hidden) by its input columns, so A by columns; the replicated
+    factor's gradient (a partial sum over the ranks' hidden slices) is summed. Under ExpertParallel: split by
+    experts (:func:`_place_by_experts`). PEFT folds ``W + B @ A`` per expert into the weight for the experts'
+    forward; here that runs on this rank's shard of the weight and the local factors."""
     from .expert_parallel import ExpertParallel
 
     base = layer.get_base_layer()
@@ -390,7 +393,8 @@ def _shard_expert_adapter(layer: nn.Module, adapter: str, where: str) -> None:
     else:
         split = weight.placements[_tp_dim(weight.device_mesh, where)]
         placement = _Placement(base.hf_moe_tp_style, where, weight.device_mesh, kind="experts")
-        placement.a, placement.b = (Shard(1), Replicate()) if split == Shard(1) else (Replicate(), Shard(0))
+        # (E, out, in): a split input (dim 2) splits A's columns, a split output (dim 1) B's rows
+        placement.a, placement.b = (Shard(1), Replicate()) if split == Shard(2) else (Replicate(), Shard(0))
         _distribute(a, placement, placement.a)
         _distribute(b, placement, placement.b)
         to_local = {"replicated": placement.to_local(sum_tp=True), "split": placement.to_local(sum_tp=False)}

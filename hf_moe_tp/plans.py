@@ -158,12 +158,8 @@ def sink_entries(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, 
 
 
 def meta_model(config: PretrainedConfig, model_class: type | None = None, dtype: torch.dtype | None = None,
-               experts_column_major: bool = False, attn_implementation: str | None = None) -> nn.Module:
-    """The model ``config`` describes, on the meta device (buffers real), with GroupedExperts swapped in.
-
-    ``experts_column_major``: store expert weights in the checkpoint's (out, in) orientation where it has one
-    (:meth:`GroupedExperts.store_column_major`), so loading copies without transposing; FSDP2 refuses such
-    (non-contiguous) parameters, so the default is row-major."""
+               attn_implementation: str | None = None) -> nn.Module:
+    """The model ``config`` describes, on the meta device (buffers real), with GroupedExperts swapped in."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -177,13 +173,6 @@ def meta_model(config: PretrainedConfig, model_class: type | None = None, dtype:
         model = from_config(cls, config, **kwargs)
     model.tie_weights()  # transformers ties after loading; the plan needs the ties now
     adapter_for(model).swap_experts(model)
-    # Row-major (contiguous) by default: FSDP2 shards only contiguous parameters; the grouped-matmul kernel
-    # runs either layout at one speed. Loading then transposes per-expert (out, in) tensors in RAM.
-    if experts_column_major:
-        for module in model.modules():
-            layout = getattr(module, "checkpoint_layout", None)
-            if isinstance(module, GroupedExperts) and layout is not None and not layout.transposed:
-                module.store_column_major()
     return model
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -46,7 +47,7 @@ def from_pretrained(
     offload_policy: OffloadPolicy | None = None,
     ep_dispatch: str | None = None,
     check_inputs: str | None = None,
-    experts_column_major: bool = False,
+    experts_column_major: bool | None = None,
     timeout: float | None = None,
     keep_quantized: bool = False,
     read_once: bool | None = None,
@@ -90,9 +91,8 @@ def from_pretrained(
     ``"never"``; ranks fed different inputs raise :class:`~hf_moe_tp.input_check.InputMismatchError` on every
     rank instead of computing silently wrong results (or aborting in a collective of mismatched sizes).
 
-    ``experts_column_major``: keep expert weights in the checkpoint's (out, in) memory order (same logical
-    shapes), so loading copies instead of transposing (bench/load.py: 0.83 s instead of 1.08 s per rank on
-    CPU); for inference only: FSDP2 refuses these non-contiguous parameters.
+    ``experts_column_major``: deprecated and without effect: expert weights are always stored in the
+    checkpoints' (out, in) memory order now (:class:`~hf_moe_tp.GroupedExperts`), FSDP2 included.
 
     ``timeout``: seconds that any collective of loading, forward or backward may wait before it fails (a rank
     that died or stopped calling forward), set on every process group the model uses. Without it, a process
@@ -147,9 +147,10 @@ def from_pretrained(
         mesh, ep_mesh = layout.tp, layout.ep
         if timeout is not None:
             set_timeout([mesh, ep_mesh, layout.dp], timeout)
-        if layout.dp is not None and experts_column_major:
-            raise ValueError("experts_column_major=True with FSDP2 (fsdp_size, dp_replicate_size or a data-parallel "
-                             "mesh dimension): FSDP2 shards only contiguous (row-major) parameters")
+        if experts_column_major is not None:
+            warnings.warn("from_pretrained(experts_column_major=...) is deprecated and has no effect: expert "
+                          "weights are always stored (E, out, in), the checkpoints' memory order, and FSDP2 shards "
+                          "them; drop the argument", FutureWarning, stacklevel=2)
         if layout.dp is not None and layout.ep is not None and (_casts(mp_policy) or _offloads(offload_policy)):
             # FSDP2 leaves experts that already sit over the data-parallel ranks to themselves (fsdp.py)
             raise ValueError(f"mp_policy={mp_policy} / offload_policy={offload_policy} with experts split over the "
@@ -161,8 +162,7 @@ def from_pretrained(
         if layout.dp is None and (mp_policy is not None or offload_policy is not None):
             raise ValueError("mp_policy and offload_policy are FSDP2's: they need fsdp_size, dp_replicate_size or "
                              "a device_mesh with a data-parallel dimension")
-        model = plans.meta_model(config, model_class, dtype, experts_column_major=experts_column_major,
-                                 attn_implementation=args.attn_implementation)
+        model = plans.meta_model(config, model_class, dtype, attn_implementation=args.attn_implementation)
         _buffers_to(model, mesh_device(mesh))  # the loader allocates parameters where the buffers are
         plan = _plan(model, tp_plan, mesh, ep_size=ep_size or (ep_mesh["ep"].size() if ep_mesh else None))
         if ep_dispatch is not None:

@@ -22,13 +22,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-# GroupedExperts: w1/w3 split by columns (hidden), w2 by rows (hidden); b2 stays whole and is added once.
+# GroupedExperts, stored (E, out, in): w1/w3 split by their output (hidden), w2 by its input (hidden), so the
+# views w1/w3 (E, dim, hidden) are split by columns and w2 (E, hidden, dim) by rows; b2 stays whole, added once.
 EXPERT_PLACEMENTS: dict[str, Placement] = {
-    "w1": Shard(2),
-    "w3": Shard(2),
+    "w1_weight": Shard(1),
+    "w3_weight": Shard(1),
     "b1": Shard(1),
     "b3": Shard(1),
-    "w2": Shard(1),
+    "w2_weight": Shard(2),
     "b2": Replicate(),
 }
 
@@ -67,7 +68,7 @@ class TensorParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_mesh(device_mesh, self)
-        hidden = module.w1.shape[2]
+        hidden = module.w1_weight.shape[1]
         if hidden < device_mesh.size():
             raise ValueError(f"TensorParallel splits each expert's hidden size {hidden} over {device_mesh.size()} "
                              f"ranks; it must be at least the TP size (use a smaller TP size)")

@@ -124,7 +124,7 @@ class Adapter:
     def expert_sources(
         self, prefix: str, layout: ExpertLayout, shapes: dict[str, tuple[int, ...]], per_expert: list[tuple[str, ...]]
     ) -> dict[str, list[Source]]:
-        """Sources of ``{prefix}.w1`` etc. from whichever format ``shapes`` (model-named keys) holds."""
+        """Sources of ``{prefix}.w1_weight`` etc. from whichever format ``shapes`` (model-named keys) holds."""
         if f"{prefix}.gate_up_proj" in shapes or f"{prefix}.up_proj" in shapes:
             return packed_sources(prefix, layout, shapes)
         for names in per_expert + list(self.per_expert_names):
@@ -143,7 +143,8 @@ def _own_forward(cls: type) -> Callable | None:
 
 
 def packed_sources(prefix: str, layout: ExpertLayout, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[Source]]:
-    """transformers' own 3-D layout: gate_up_proj/up_proj and down_proj (+ ``_bias``)."""
+    """transformers' own 3-D layout: gate_up_proj/up_proj and down_proj (+ ``_bias``), onto GroupedExperts'
+    (E, out, in) weights."""
     e, h, i = layout.num_experts, layout.dim, layout.hidden
     halves = {"w1": 0, "w3": 1} if layout.gated else {"w1": 0}
     up_key = f"{prefix}.gate_up_proj" if layout.gated else f"{prefix}.up_proj"
@@ -156,17 +157,17 @@ def packed_sources(prefix: str, layout: ExpertLayout, shapes: dict[str, tuple[in
 
     out: dict[str, list[Source]] = {}
     for name, which in halves.items():
-        if layout.transposed:  # (E, H, width): already (E, dim, hidden)
-            out[name] = [Source(up_key, (Axis(0), Axis(1), half(which, 2)), (e, h, width))]
-        else:  # (E, width, H)
-            out[name] = [Source(up_key, (Axis(0), Axis(2), half(which, 1)), (e, width, h))]
+        if layout.transposed:  # (E, H, width): each expert (in, out)
+            out[f"{name}_weight"] = [Source(up_key, (Axis(0), half(which, 2), Axis(1)), (e, h, width))]
+        else:  # (E, width, H): already (E, out, in)
+            out[f"{name}_weight"] = [Source(up_key, (Axis(0), half(which, 1), Axis(2)), (e, width, h))]
         if layout.bias:
             out[f"b{name[1]}"] = [Source(f"{up_key}_bias", (Axis(0), half(which, 1)), (e, width))]
     down = f"{prefix}.down_proj"
     if layout.transposed:  # (E, I, H)
-        out["w2"] = [Source(down, (Axis(0), Axis(1), Axis(2)), (e, i, h))]
+        out["w2_weight"] = [Source(down, (Axis(0), Axis(2), Axis(1)), (e, i, h))]
     else:  # (E, H, I)
-        out["w2"] = [Source(down, (Axis(0), Axis(2), Axis(1)), (e, h, i))]
+        out["w2_weight"] = [Source(down, (Axis(0), Axis(1), Axis(2)), (e, h, i))]
     if layout.bias:
         out["b2"] = [Source(f"{down}_bias", (Axis(0), Axis(1)), (e, h))]
     return {f"{prefix}.{k}": v for k, v in out.items()}
@@ -181,8 +182,8 @@ def per_expert_sources(
     out: dict[str, list[Source]] = {}
     for target, name in targets.items():
         shape = (h, i) if target == "w2" else (i, h)
-        out[f"{prefix}.{target}"] = [
-            Source(f"{prefix}.{e}.{name}.weight", (e, Axis(1), Axis(0)), shape) for e in range(layout.num_experts)
+        out[f"{prefix}.{target}_weight"] = [
+            Source(f"{prefix}.{e}.{name}.weight", (e, Axis(0), Axis(1)), shape) for e in range(layout.num_experts)
         ]
         if layout.bias:
             out[f"{prefix}.b{target[1]}"] = [

@@ -85,15 +85,15 @@ def save_model(config, path: Path, *, packed: bool = False, seed: int = 0) -> Pa
 
 
 def reference_expert_weights(ref_params: dict, name: str, module) -> dict[str, torch.Tensor]:
-    """w1/w3/w2 (+ biases) of our GroupedExperts ``module`` at ``name``, rebuilt from transformers' own packed
-    parameters ``ref_params`` (a reference model's ``named_parameters()``)."""
+    """w1_weight/w3_weight/w2_weight (+ biases) of our GroupedExperts ``module`` at ``name``, rebuilt from
+    transformers' own packed parameters ``ref_params`` (a reference model's ``named_parameters()``)."""
     layout, i = module.checkpoint_layout, module.hidden
     gate_up = ref_params[f"{name}.gate_up_proj"].detach()
     down = ref_params[f"{name}.down_proj"].detach()
-    if not layout.transposed:  # to (E, H, 2I) and (E, I, H)
+    if layout.transposed:  # to (E, 2I, H) and (E, H, I)
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     halves = (slice(0, i), slice(i, 2 * i)) if layout.concatenated else (slice(0, None, 2), slice(1, None, 2))
-    full = {"w1": gate_up[..., halves[0]], "w3": gate_up[..., halves[1]], "w2": down}
+    full = {"w1_weight": gate_up[:, halves[0]], "w3_weight": gate_up[:, halves[1]], "w2_weight": down}
     if layout.bias:
         bias = ref_params[f"{name}.gate_up_proj_bias"].detach()
         full.update(b1=bias[..., halves[0]], b3=bias[..., halves[1]], b2=ref_params[f"{name}.down_proj_bias"].detach())

@@ -30,7 +30,7 @@ def grouped_experts(
     m = GroupedExperts(experts, dim, hidden, bias=bias, activation=activation)
     with torch.no_grad():
         for name, p in m.named_parameters():
-            fan_in = p.shape[1] if name.startswith("w") else 100
+            fan_in = p.shape[2] if name.startswith("w") else 100
             p.copy_(torch.randn(p.shape) / fan_in**0.5)
     return m.to(dtype)
 
@@ -41,10 +41,10 @@ def mixtral_experts(ours: GroupedExperts, implementation: str) -> MixtralExperts
         hidden_size=ours.dim, intermediate_size=ours.hidden, num_local_experts=ours.num_experts, hidden_act="silu"
     )
     config._experts_implementation = implementation
-    hf = MixtralExperts(config).to(ours.w1.dtype)
+    hf = MixtralExperts(config).to(ours.w1_weight.dtype)
     with torch.no_grad():
-        hf.gate_up_proj.copy_(torch.cat([ours.w1, ours.w3], dim=2).transpose(1, 2))
-        hf.down_proj.copy_(ours.w2.transpose(1, 2))
+        hf.gate_up_proj.copy_(torch.cat([ours.w1_weight, ours.w3_weight], dim=1))
+        hf.down_proj.copy_(ours.w2_weight)
     return hf
 
 
@@ -77,14 +77,14 @@ def mixtral_block(dim: int, hidden: int, experts: int, top_k: int, seed: int) ->
 
 
 def swap_in_grouped_experts(block: MixtralSparseMoeBlock) -> MixtralSparseMoeBlock:
-    """A copy of ``block`` with its experts as GroupedExperts (gate_up (E, 2I, H) -> w1/w3 (E, H, I))."""
+    """A copy of ``block`` with its experts as GroupedExperts (gate_up (E, 2I, H) -> w1_weight/w3_weight (E, I, H))."""
     block = copy.deepcopy(block)
     hf = block.experts
     hidden = hf.intermediate_dim
     ours = GroupedExperts(hf.num_experts, hf.hidden_dim, hidden, device="meta")
-    gate_up = hf.gate_up_proj.detach().transpose(1, 2)
-    ours.w1 = torch.nn.Parameter(gate_up[..., :hidden].contiguous())
-    ours.w3 = torch.nn.Parameter(gate_up[..., hidden:].contiguous())
-    ours.w2 = torch.nn.Parameter(hf.down_proj.detach().transpose(1, 2).contiguous())
+    gate_up = hf.gate_up_proj.detach()
+    ours.w1_weight = torch.nn.Parameter(gate_up[:, :hidden].contiguous())
+    ours.w3_weight = torch.nn.Parameter(gate_up[:, hidden:].contiguous())
+    ours.w2_weight = torch.nn.Parameter(hf.down_proj.detach().clone())
     block.experts = ours
     return block

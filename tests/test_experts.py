@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-import copy
 import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,7 +60,7 @@ def test_matches_definition(dtype, hidden, act, bias):
     for name, g_ref in grads_ref.items():
         assert (grads[name].float() - g_ref.float()).abs().max() <= 4 * tolerance(dtype, g_ref), name
     # expert 3 received no tokens: its gradients exist and are zero
-    assert grads["w1"][3].abs().max() == 0 and grads["w2"][3].abs().max() == 0
+    assert grads["w1_weight"][3].abs().max() == 0 and grads["w2_weight"][3].abs().max() == 0
 
 
 # transformers' grouped_mm raises on the odd sizes (no fallback), so those run against its eager loop only.
@@ -75,8 +78,8 @@ def test_matches_transformers_mixtral_experts(implementation, dtype, hidden):
     y_hf, grads_hf = run_with_grads(lambda x, w: hf(x, index, w), hf, x, weights, upstream)
     tol = tolerance(dtype, y_hf)
     assert (y.float() - y_hf.float()).abs().max() <= tol
-    gate_up = grads_hf["gate_up_proj"].transpose(1, 2)
-    mapped = {"w1": gate_up[..., :hidden], "w3": gate_up[..., hidden:], "w2": grads_hf["down_proj"].transpose(1, 2)}
+    gate_up = grads_hf["gate_up_proj"]  # (E, 2I, H): the same memory order as ours
+    mapped = {"w1_weight": gate_up[:, :hidden], "w3_weight": gate_up[:, hidden:], "w2_weight": grads_hf["down_proj"]}
     for name in ("hidden_states", "top_k_weights"):
         mapped[name] = grads_hf[name]
     for name, g_hf in mapped.items():
@@ -123,28 +126,26 @@ def test_kernel_when_aligned_loop_otherwise(monkeypatch, dtype, hidden, kernel):
 
 @pytest.mark.parametrize("dtype,hidden,kernel", [(torch.float32, 32, True), (torch.float32, 18, False),
                                                  (torch.bfloat16, 32, True)])
-def test_column_major_storage(monkeypatch, dtype, hidden, kernel):
-    """Weights stored transposed in memory (the checkpoint's orientation): same outputs and gradients, the
-    kernel still used where aligned, gradients in the parameters' layout (no transposing copy per step)."""
+def test_storage_and_views(monkeypatch, dtype, hidden, kernel):
+    """Weights stored (E, out, in) and contiguous (FSDP2 shards them), ``w1``/``w3``/``w2`` their transposed views
+    (writable: the seed's (E, dim, hidden) / (E, hidden, dim)); the kernel runs on the transposed views where
+    aligned, and the gradients arrive in the parameters' own layout (no transposing copy per step)."""
     calls = []
     real = gmm._KERNEL
     monkeypatch.setattr(gmm, "_KERNEL", lambda *a, **k: calls.append(1) or real(*a, **k))
     m = grouped_experts(EXPERTS, DIM, hidden, dtype=dtype)
-    col = copy.deepcopy(m)
-    col.store_column_major()
-    assert col.w1.stride(1) == 1 and col.w2.stride(1) == 1 and torch.equal(col.w1, m.w1)
+    assert m.w1_weight.shape == (EXPERTS, hidden, DIM) and m.w2_weight.shape == (EXPERTS, DIM, hidden)
+    assert all(p.is_contiguous() for p in m.parameters())
+    assert m.w1.shape == (EXPERTS, DIM, hidden) and m.w2.shape == (EXPERTS, hidden, DIM)
+    assert m.w1.data_ptr() == m.w1_weight.data_ptr() and torch.equal(m.w3, m.w3_weight.transpose(1, 2))
+    with torch.no_grad():
+        m.w2[1, 2, 3] = 7.0  # a view: writes land in the parameter
+    assert m.w2_weight[1, 3, 2] == 7.0
     index, weights = routing(TOKENS, EXPERTS, TOP_K)
     x, g = torch.randn(TOKENS, DIM).to(dtype), torch.randn(TOKENS, DIM).to(dtype)
-    outs = []
-    for module in (m, col):
-        y = module(x, index, weights)
-        (y * g).sum().backward()
-        outs.append((y, {n: p.grad for n, p in module.named_parameters()}))
-    assert (outs[0][0].float() - outs[1][0].float()).abs().max() <= 1e-5 * outs[0][0].float().abs().max()
-    for n, grad in outs[0][1].items():
-        assert (grad.float() - outs[1][1][n].float()).abs().max() <= 1e-5 * grad.float().abs().max(), n
-    assert col.w1.grad.stride() == col.w1.stride() and col.w2.grad.stride() == col.w2.stride()
-    assert len(calls) == (6 if kernel else 0)  # 3 grouped matmuls per forward, both layouts
+    (m(x, index, weights) * g).sum().backward()
+    assert all(p.grad.stride() == p.stride() for p in m.parameters())
+    assert len(calls) == (3 if kernel else 0)  # 3 grouped matmuls per forward
 
 
 @pytest.mark.parametrize("hidden", [32, 18])
@@ -154,7 +155,7 @@ def test_backward_of_plain_sum(hidden):
     index, weights = routing(TOKENS, EXPERTS, TOP_K)
     x = torch.randn(TOKENS, DIM, requires_grad=True)
     m(x, index, weights).sum().backward()
-    assert x.grad is not None and m.w1.grad is not None
+    assert x.grad is not None and m.w1_weight.grad is not None
 
 
 @pytest.mark.parametrize("tokens,top_k", [(1, 1), (5, 3), (0, 2)])
@@ -166,7 +167,7 @@ def test_small_and_empty_batches(tokens, top_k):
     assert y.shape == (tokens, DIM)
     assert torch.allclose(y, reference(m, x, index, weights), rtol=0, atol=1e-5)
     (y * 1.0).sum().backward()
-    assert m.w1.grad is not None and m.w1.grad.shape == m.w1.shape
+    assert m.w1_weight.grad is not None and m.w1_weight.grad.shape == m.w1_weight.shape
 
 
 def test_all_tokens_to_one_expert():
@@ -203,3 +204,15 @@ def test_under_torch_compile(dtype, hidden):
     assert (runs[0][0].float() - runs[1][0].float()).abs().max() <= 1e-5 * runs[0][0].float().abs().max()
     for n, grad in runs[0][1].items():
         assert (grad.float() - runs[1][1][n].float()).abs().max() <= 1e-5 * grad.float().abs().max(), n
+
+
+def test_default_layout_is_the_fast_one_in_bf16():
+    """Guard (a ratio inside one process, not a timed assertion): the default expert layout's bf16 forward is
+    not more than 2x slower than the other memory order's. On CPUs without native bf16 (oneDNN capped at AVX2
+    here, as on the machines issue 33 measured) the (E, dim, hidden)-contiguous order was 7-8x slower."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ONEDNN_MAX_CPU_ISA": "AVX2"}  # a no-op on AVX2-only CPUs
+    script = Path(__file__).with_name("layout_speed.py")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    ratio = float(out.stdout.split("ratio")[1])
+    assert ratio <= 2.0, out.stdout
