@@ -22,3 +22,17 @@ def pin_malloc(system_malloc: bool) -> str:
     if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
     return "pinned malloc thresholds"
+
+
+TORCHRUN_ENV = {"OMP_NUM_THREADS": "1"}  # what torchrun sets for every rank (when the caller has not)
+
+
+def user_env(pin: bool) -> str:
+    """Re-run this script in the environment users run in: torchrun's ``OMP_NUM_THREADS=1`` and glibc's default
+    malloc thresholds, or with ``pin`` the thresholds raised (the compute alone); return a label for the output."""
+    want = {**TORCHRUN_ENV, **(MALLOC_ENV if pin else {})}
+    unwanted = [] if pin else [k for k in MALLOC_ENV if k in os.environ]
+    if any(os.environ.get(k) != v for k, v in want.items()) or unwanted:
+        env = {k: v for k, v in os.environ.items() if k not in unwanted}
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**env, **want})
+    return "torchrun's OMP_NUM_THREADS=1, " + ("pinned malloc thresholds" if pin else "default malloc (headline)")

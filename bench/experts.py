@@ -40,20 +40,28 @@ def raw_kernel(x, index, weights, w1, w3, w2):
     return out.view(index.size(0), index.size(1), -1).sum(1).to(x.dtype)
 
 
+def other_order(experts: GroupedExperts) -> GroupedExperts:
+    """The same experts stored in the other memory order: each (out, in) matrix as its contiguous transpose (the
+    (E, dim, hidden)-contiguous layout that was the default before issue 33)."""
+    other = copy.deepcopy(experts)
+    for name, p in list(other.named_parameters()):
+        if p.dim() == 3:
+            setattr(other, name, torch.nn.Parameter(p.detach().transpose(1, 2).contiguous().transpose(1, 2)))
+    return other
+
+
 def build(args, dtype):
     torch.manual_seed(0)
     ours = GroupedExperts(args.experts, args.dim, args.hidden, dtype=dtype)
-    loaded = copy.deepcopy(ours)
-    loaded.store_column_major()  # the layout from_pretrained gives Mixtral-style checkpoints: [w1 | w3] fused
     impls = {"raw grouped_mm": lambda x, i, w: raw_kernel(x, i, w, ours.w1, ours.w3, ours.w2), "hf_moe_tp": ours,
-             "hf_moe_tp column-major": loaded}
+             "hf_moe_tp other order": other_order(ours)}
     for name in ("grouped_mm", "eager"):
         config = MixtralConfig(hidden_size=args.dim, intermediate_size=args.hidden, num_local_experts=args.experts)
         config._experts_implementation = name
         hf = MixtralExperts(config).to(dtype)
         with torch.no_grad():
-            hf.gate_up_proj.copy_(torch.cat([ours.w1, ours.w3], 2).transpose(1, 2))
-            hf.down_proj.copy_(ours.w2.transpose(1, 2))
+            hf.gate_up_proj.copy_(torch.cat([ours.w1_weight, ours.w3_weight], 1))
+            hf.down_proj.copy_(ours.w2_weight)
         impls[f"transformers {name}"] = hf
     return impls
 

@@ -10,8 +10,9 @@ Its collectives are counted on a training-mode forward with labels.
 
 All variants load the same files (bench/load.py makes them) into the same ranks and are timed in rotation;
 each figure is the median of ``--repeats`` runs after one warm-up round; collectives are counted on one
-forward. Ranks run with glibc's malloc thresholds pinned (bench/allocator.py; ``--system-malloc`` keeps the
-defaults), so freed activations are reused instead of re-faulted, for every variant alike.
+forward. Ranks run as under torchrun (``OMP_NUM_THREADS=1``) with glibc's default malloc, as users run them;
+``--pin-malloc`` raises its thresholds (bench/allocator.py) so freed activations are reused instead of
+re-faulted, for every variant alike (the second column).
 
 First, one MoE layer: the first layer's TensorParallel experts against the least work the same computation
 needs on this rank's shards (raw grouped matmuls and one all-reduce), interleaved.
@@ -23,7 +24,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from allocator import pin_malloc
+from allocator import user_env
 from collectives import count_bytes, rotated_medians
 
 from hf_moe_tp.launch import run_on_ranks
@@ -127,11 +128,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--layer-only", action="store_true", help="only the one-MoE-layer comparison")
-    p.add_argument("--system-malloc", action="store_true", help="keep glibc's default malloc thresholds")
+    p.add_argument("--pin-malloc", action="store_true",
+                   help="raise glibc's malloc thresholds (the second column; the default is what users run)")
     args = p.parse_args()
-    malloc = pin_malloc(args.system_malloc)
+    malloc = user_env(args.pin_malloc)
     if not (args.dir / "config.json").is_file():
         raise SystemExit(f"{args.dir} is missing: run bench/load.py first (it makes the checkpoint)")
     print(f"{args.dir.name}, TP={args.tp}, batch {args.batch} x {args.seq} tokens, median of {args.repeats}, {malloc}")

@@ -63,12 +63,12 @@ def make_fp8_checkpoint(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
-def make_checkpoint(path: Path) -> int:
-    """Write the checkpoint if it is not there; return its size in bytes."""
+def make_checkpoint(path: Path, dtype: torch.dtype = torch.float32) -> int:
+    """Write the checkpoint (in ``dtype``) if it is not there; return its size in bytes."""
     if not (path / "model.safetensors.index.json").is_file():
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(MixtralConfig(**CONFIG))
-        model.save_pretrained(path, max_shard_size="400MB")
+        model = AutoModelForCausalLM.from_config(MixtralConfig(**CONFIG)).to(dtype)
+        model.save_pretrained(path, max_shard_size="400MB" if dtype == torch.float32 else "200MB")
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
@@ -124,9 +124,11 @@ def load_hf_moe_tp(path: str, **kwargs) -> dict:
     return measure(load)
 
 
-def load_hf_moe_tp_column_major(path: str) -> dict:
-    """Experts stored (out, in) as the file has them: no transposing copy, but FSDP2 refuses the layout."""
-    return load_hf_moe_tp(path, experts_column_major=True)
+def load_hf_moe_tp_ep(path: str) -> dict:
+    """Whole experts per rank (``ep_size`` = the TP size), attention split as at TP."""
+    import torch.distributed as dist
+
+    return load_hf_moe_tp(path, ep_size=dist.get_world_size())
 
 
 def load_transformers(path: str) -> dict:
@@ -237,7 +239,7 @@ def load_transformers_fp8(path: str) -> dict:
 
 LOADERS = {
     "hf_moe_tp": load_hf_moe_tp,
-    "hf_moe_tp experts_column_major=True": load_hf_moe_tp_column_major,
+    "hf_moe_tp ep_size=TP": load_hf_moe_tp_ep,
     "transformers tp_plan=auto": load_transformers,
     "torch DCP (HF reader)": load_dcp,
     "copy floor (no model)": load_floor,
@@ -371,6 +373,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--only", choices=["plain", "fp8", "layouts"], default=None,
                    help="run one of the tables (layouts: only with --only)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the plain checkpoint's dtype (bfloat16: written once beside the fp32 one, --dir + '-bf16')")
     p.add_argument("--dir", type=Path, default=Path.home() / ".cache/hf_moe_tp/bench-mixtral-1.5g")
     p.add_argument("--fp8-dir", type=Path, default=Path.home() / ".cache/hf_moe_tp/bench-qwen3-moe-fp8")
     args = p.parse_args()
@@ -378,7 +382,9 @@ def main() -> None:
         run_layouts(args.dir, make_checkpoint(args.dir), args.repeats)
         return
     if args.only != "fp8":
-        run_table(LOADERS, args.dir, make_checkpoint(args.dir), args.tp, args.repeats, "fp32")
+        dtype = getattr(torch, args.dtype)
+        path = args.dir if dtype == torch.float32 else args.dir.with_name(args.dir.name + "-bf16")
+        run_table(LOADERS, path, make_checkpoint(path, dtype), args.tp, args.repeats, args.dtype)
     if args.only != "plain":
         run_table(FP8_LOADERS, args.fp8_dir, make_fp8_checkpoint(args.fp8_dir), args.tp, args.repeats,
                   "FP8, loaded as bf16")

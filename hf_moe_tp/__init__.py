@@ -1,15 +1,33 @@
-"""hf_moe_tp: Hugging Face Mixture-of-Experts models, tensor-parallel on PyTorch DTensors."""
+"""hf_moe_tp: Hugging Face Mixture-of-Experts models, tensor-parallel on PyTorch DTensors.
 
-from .expert_parallel import ExpertParallel
-from .experts import ExpertActivation, GroupedExperts
-from .grouped_mm import grouped_mm
-from .install import install, uninstall
-from .loading import LoadReport, load_checkpoint
-from .meshes import data_parallel_rank
-from .plans import apply_plan, tp_plan
-from .pretrained import from_pretrained
-from .saving import save_pretrained
-from .styles import LocalParams, NoParallel, TensorParallel
+The public names load on first use (PEP 562), so ``import hf_moe_tp`` and ``hf-moe-tp --help`` import neither
+torch nor transformers; ``from hf_moe_tp import from_pretrained`` imports what that needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "ExpertActivation": "experts",
+    "ExpertParallel": "expert_parallel",
+    "GroupedExperts": "experts",
+    "LoadReport": "loading",
+    "LocalParams": "styles",
+    "NoParallel": "styles",
+    "TensorParallel": "styles",
+    "apply_plan": "plans",
+    "data_parallel_rank": "meshes",
+    "from_pretrained": "pretrained",
+    "grouped_mm": "grouped_matmul",
+    "install": "install",
+    "load_checkpoint": "loading",
+    "save_pretrained": "saving",
+    "tp_plan": "plans",
+    "uninstall": "install",
+}
 
 __all__ = [
     "ExpertActivation",
@@ -30,3 +48,34 @@ __all__ = [
     "uninstall",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:  # a submodule (``hf_moe_tp.loading``), as the eager package gave it after import
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:
+    from .expert_parallel import ExpertParallel
+    from .experts import ExpertActivation, GroupedExperts
+    from .grouped_matmul import grouped_mm
+    from .install import install, uninstall
+    from .loading import LoadReport, load_checkpoint
+    from .meshes import data_parallel_rank
+    from .plans import apply_plan, tp_plan
+    from .pretrained import from_pretrained
+    from .saving import save_pretrained
+    from .styles import LocalParams, NoParallel, TensorParallel

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, Shard
 from transformers.activations import ACT2FN
 
 from ._compat import local_shape_and_offset
-from .grouped_mm import grouped_mm
+from .grouped_matmul import grouped_mm
 
 
 @dataclass(frozen=True)
@@ -144,19 +144,6 @@ class GroupedExperts(nn.Module):
         """(E, hidden, dim): ``w2_weight`` transposed, a view."""
         return self.w2_weight.transpose(-1, -2)
 
-    def materialize(self, device: torch.device | str) -> None:
-        """Allocate (uninitialised) the local shards of parameters still on the meta device, in their memory order
-        (kept FP8 weights may be stored as their checkpoint stores them)."""
-        for name, p in list(self.named_parameters(recurse=False)):
-            local = _local(p)
-            if local.device.type != "meta":
-                continue
-            t = torch.empty_like(local, device=device)
-            if isinstance(p, DTensor):
-                t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                       stride=p.stride())
-            setattr(self, name, nn.Parameter(t, requires_grad=p.requires_grad))
-
     def reset_parameters(self, std: float = 0.02) -> None:
         """Truncated-normal weights, zero biases (loading a checkpoint overwrites both)."""
         with torch.no_grad():
@@ -236,14 +223,14 @@ def _with_bias(h: torch.Tensor, bias: torch.Tensor | None, expert_of_row: torch.
     return h if bias is None else h + _local(bias)[expert_of_row].to(h.dtype)
 
 
-def _adds_row_bias(w2: torch.Tensor) -> bool:
-    """True on the rank that adds ``b2``: coordinate 0 of every mesh dim that splits ``w2``'s rows."""
-    if not isinstance(w2, DTensor):
+def _adds_row_bias(w2_weight: torch.Tensor) -> bool:
+    """True on the rank that adds ``b2``: coordinate 0 of every mesh dim that splits ``w2_weight``'s input
+    (hidden, dim 2), over which the partial outputs are summed."""
+    if not isinstance(w2_weight, DTensor):
         return True
-    mesh = w2.device_mesh
-    return all(
-        mesh.get_local_rank(d) == 0 for d, p in enumerate(w2.placements) if isinstance(p, Shard) and p.dim == 1
-    )
+    mesh = w2_weight.device_mesh
+    return all(mesh.get_local_rank(d) == 0 for d, p in enumerate(w2_weight.placements)
+               if isinstance(p, Shard) and p.dim % 3 == 2)
 
 
 class _OnceAcrossShards(torch.autograd.Function):

@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 from .checkpoint import Checkpoint
 from .conversions import model_keys, parameter_sources
 from .experts import GroupedExperts
-from .grouped_mm import grouped_mm
+from .grouped_matmul import grouped_mm
 from .linear import ColumnParallel, RowParallel
 from .plans import _style_for
 from .quantized import CheckpointView, Fp8Weight, checkpoint_view, fp8_to_float32, scale_values

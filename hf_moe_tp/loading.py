@@ -25,7 +25,6 @@ from tqdm.auto import tqdm
 from ._compat import MODEL_IGNORE_ON_LOAD, local_shape_and_offset
 from .checkpoint import Checkpoint, CheckpointError
 from .conversions import is_base_model, model_keys, parameter_sources
-from .experts import GroupedExperts
 from .fp8 import add_scale_sources, kept_scales
 from .quantized import Quantization, checkpoint_view
 from .sources import Box, Request
@@ -80,9 +79,6 @@ def load_checkpoint(
         to_ckpt = model_keys(model, list(view.tensors))
         shapes = {name: view.tensors[key].shape for name, key in to_ckpt.items()}
         device = _device(model)
-        for module in model.modules():  # expert weights in their own memory order (kept FP8 ones: the checkpoint's)
-            if isinstance(module, GroupedExperts):
-                module.materialize(device)
         targets = load_targets(model)
         found = parameter_sources(model, targets, shapes)
         kept = kept_scales(model)
@@ -260,15 +256,16 @@ def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, bool]]]:
 
 
 def _materialize(owners: dict, name: str, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Allocate a meta tensor's local shard in every module that holds it; return the tensor to fill."""
+    """Allocate a meta tensor's local shard, in its memory order (kept FP8 experts keep the checkpoint's), in every
+    module that holds it; return the tensor to fill."""
     if _local(tensor).device.type != "meta":
         return tensor
     if isinstance(tensor, DTensor):
-        local = torch.empty(tensor.to_local().shape, dtype=tensor.dtype, device=device)
+        local = torch.empty_like(tensor.to_local(), device=device)
         new = DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False,
                                  shape=tensor.shape, stride=tensor.stride())
     else:
-        new = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        new = torch.empty_like(tensor, device=device)
     holders = owners[id(tensor)]
     if holders[0][2]:
         new = nn.Parameter(new, requires_grad=tensor.requires_grad)

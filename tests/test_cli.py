@@ -77,3 +77,17 @@ def test_help_reads_well():
     for command in ("demo", "inspect", "generate"):
         assert command in out
     assert "--tp" in run(*CLI, "generate", "--help", timeout=60).stdout
+
+
+def test_usage_imports_no_torch():
+    """`hf-moe-tp --help`, a command's `--help` and a wrong command's error print without importing torch or
+    transformers (they took 6 s for that), and `import hf_moe_tp` alone imports neither."""
+    probe = ("import sys\nfrom hf_moe_tp.cli import main\nfor argv in ({argv}):\n    try:\n        main(argv)\n"
+             "    except SystemExit:\n        pass\n"
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    argvs = "['--help'], ['inspect', '--help'], ['bogus']"
+    done = run(sys.executable, "-c", probe.format(argv=argvs))
+    assert done.stdout.strip().endswith("[]"), done.stdout
+    assert "usage: hf-moe-tp" in done.stdout and "invalid choice: 'bogus'" in done.stderr, done.stderr
+    done = run(sys.executable, "-c", "import sys, hf_moe_tp; print('torch' in sys.modules, hf_moe_tp.__all__[:1])")
+    assert done.stdout.split() == ["False", "['ExpertActivation']"], done.stdout

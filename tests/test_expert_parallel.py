@@ -101,7 +101,8 @@ def test_ep_matches_unsharded(ranks, world, experts, layout):
     _check(results)
     expected = [len(c) for c in torch.arange(experts).chunk(world)]
     assert [r["local_experts"] for r in results] == expected
-    assert all(r["placements"]["w1"] == (Shard(0),) and r["placements"]["w2"] == (Shard(0),) for r in results)
+    assert all(r["placements"]["w1_weight"] == (Shard(0),) and r["placements"]["w2_weight"] == (Shard(0),)
+               for r in results)
 
 
 @pytest.mark.parametrize("bias,score_before", [(True, False), (False, True)], ids=["bias-clamped", "score-before"])
@@ -133,7 +134,7 @@ def test_ep_on_2d_mesh(ranks):
     """(ep=2, tp=2): experts split over ep, each ep coordinate its own batch, the tp pair sharing it."""
     results = ranks(4).run(_ep_matches_unsharded, 8, "replicate", False, False, False, (2, 2))
     _check(results)
-    assert all(r["placements"]["w1"] == (Shard(0), Replicate()) for r in results)
+    assert all(r["placements"]["w1_weight"] == (Shard(0), Replicate()) for r in results)
     assert [r["local_experts"] for r in results] == [4, 4, 4, 4]
 
 
@@ -168,7 +169,7 @@ def checkpoints(tmp_path_factory):
 
 
 def _own_experts(module: GroupedExperts) -> range:
-    start = hf_moe_tp.loading.local_box(module.w1)[0]
+    start = hf_moe_tp.loading.local_box(module.w1_weight)[0]
     return range(*start)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -15,9 +14,9 @@ from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
 from hf_moe_tp import ExpertActivation
+from hf_moe_tp import grouped_matmul as gmm
 
 TOKENS, EXPERTS, DIM, TOP_K = 64, 8, 32, 2
-gmm = importlib.import_module("hf_moe_tp.grouped_mm")  # the package exports the function under this name
 
 
 def tolerance(dtype: torch.dtype, ref: torch.Tensor) -> float:

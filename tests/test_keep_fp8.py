@@ -78,12 +78,9 @@ def _expected_local(path: str, module, weight: str, key_of) -> tuple[torch.Tenso
         values, grids = [], []
         for e in experts:
             q, grid = f.get_tensor(key_of(e)), f.get_tensor(f"{key_of(e)}_scale_inv")
-            if w.dim() == 3:  # the checkpoint's (out, in) per expert: the parameter is (in, out)
-                q, grid, dim = q.t(), grid.t(), scales.dim - 1
-            else:
-                dim = scales.dim
+            dim = scales.dim - (w.dim() - 2)  # the blocked dim of each (out, in) matrix, as the checkpoint's
             other = 1 - dim  # repeated along the weight's other dim, each row or column its block's scale
-            block = scales.blocks[other if w.dim() == 2 else 1 - other]
+            block = scales.blocks[other]
             values.append(q.view(torch.uint8))
             grids.append(grid.repeat_interleave(block, other).narrow(other, 0, q.shape[other]))
     full = torch.stack(values) if w.dim() == 3 else values[0]
@@ -105,7 +102,7 @@ def _compare(path: str, kwargs: dict) -> dict:
     ref_tokens = ref.generate(IDS[:1], max_new_tokens=8, do_sample=False)
     experts = model.model.layers[1].mlp.experts
     checked = {}
-    for weight, name in (("w1", "gate_proj"), ("w2", "down_proj")):
+    for weight, name in (("w1_weight", "gate_proj"), ("w2_weight", "down_proj")):
         want, want_scale = _expected_local(path, experts, weight,
                                            lambda e, name=name: f"model.layers.1.mlp.experts.{e}.{name}.weight")
         local = getattr(experts, weight).to_local()
@@ -294,7 +291,7 @@ def _splitting_plan() -> dict:
     from hf_moe_tp.styles import LocalParams
 
     return {"model.layers.0.self_attn.q_b_proj": ColwiseParallel(use_local_output=False),
-            "model.layers.1.mlp.experts": LocalParams(placements={"w1": Shard(1)})}
+            "model.layers.1.mlp.experts": LocalParams(placements={"w1_weight": Shard(2)})}
 
 
 @pytest.mark.parametrize("case", ["mxfp4", "plain", "per-tensor", "fsdp", "quantization_config", "dtensor-style",
@@ -320,7 +317,7 @@ def test_refused_on_every_rank(ranks, fp8, case):
         "fsdp": "keep_quantized=True with FSDP2",
         "quantization_config": "keep_quantized=True with quantization_config",
         "dtensor-style": "FP8 linear model.layers.0.self_attn.q_b_proj is planned as ColwiseParallel",
-        "split-blocks": "splits model.layers.1.mlp.experts.w1 along dim 1",
+        "split-blocks": "splits model.layers.1.mlp.experts.w1_weight along dim 2",
     }[case]
     messages = ranks(2).run(_error, path, kwargs)
     for m in messages:
@@ -340,7 +337,7 @@ def _training(path: str) -> tuple[float, str]:
         m(IDS).logits.square().mean().backward()
         grads.append(m.model.embed_tokens.weight.grad.to_local())
     experts = model.model.layers[1].mlp.experts
-    experts.w1.requires_grad_(True)
+    experts.w1_weight.requires_grad_(True)
     try:
         model(IDS)
     except RuntimeError as e:
@@ -355,7 +352,7 @@ def test_fp8_weights_frozen_gradients_flow(ranks, fp8):
     the dequantized model's); asking to train an FP8 weight raises naming it, on every rank."""
     for diff, message in ranks(2).run(_training, fp8("blocks8")):
         assert diff <= FP32_TOL, diff
-        assert "model.layers.1.mlp.experts.w1 is an FP8 weight kept quantized" in message, message
+        assert "model.layers.1.mlp.experts.w1_weight is an FP8 weight kept quantized" in message, message
 
 
 def _decode_waits(path: str, kwargs: dict, batch: int) -> list:
@@ -410,7 +407,7 @@ def _dtypes(path: str) -> tuple[bool, torch.dtype, set]:
     model = hf_moe_tp.from_pretrained(path, keep_quantized=True, dtype=torch.bfloat16)
     experts = model.model.layers[1].mlp.experts
     in_file_order = experts.w1.dtype == torch.float8_e4m3fn and experts.w1.to_local().transpose(1, 2).is_contiguous()
-    return in_file_order, experts.w1_scale.dtype, {p.dtype for p in model.parameters()}
+    return in_file_order, experts.w1_weight_scale.dtype, {p.dtype for p in model.parameters()}
 
 
 def test_kept_layers_keep_the_checkpoint_dtypes(ranks, fp8):

@@ -136,8 +136,8 @@ def _check(results):
             r["logits_after_step"], r["step_effect"], r["logits_scale"])
         assert r["expert_placements"], "no GroupedExperts"
         for placements in r["expert_placements"].values():
-            assert placements["w1"] == (Shard(2),) and placements["w3"] == (Shard(2),)
-            assert placements["w2"] == (Shard(1),)
+            assert placements["w1_weight"] == (Shard(1),) and placements["w3_weight"] == (Shard(1),)
+            assert placements["w2_weight"] == (Shard(2),)
         assert r["router_placements"] and all(p == (Replicate(),) for p in r["router_placements"].values())
         assert r["plain_params"] == []
         assert r["shard_errors"] == []

@@ -196,8 +196,8 @@ def test_lora_trains_as_one_process(ranks, checkpoints, case):  # noqa: F811 - t
         assert len(set(r["loss"])) == STEPS  # the adapters train
 
 
-EXPERTS = dict(target_modules=["q_proj", "o_proj"], target_parameters=["mlp.experts.w1", "mlp.experts.w3",
-                                                                         "mlp.experts.w2"], init_lora_weights=False)
+EXPERTS = dict(target_modules=["q_proj", "o_proj"], init_lora_weights=False,
+               target_parameters=["mlp.experts.w1_weight", "mlp.experts.w3_weight", "mlp.experts.w2_weight"])
 EXPERT_LAYOUTS = {"tp2": (2, {}), "tp4": (4, {}), "dp2_tp2": (4, dict(fsdp_size=2)),
                   # whole experts per rank, attention split over the same ranks
                   "ep2": (2, dict(ep_size=2)),
@@ -212,11 +212,11 @@ EXPERT_LAYOUTS = {"tp2": (2, {}), "tp4": (4, {}), "dp2_tp2": (4, dict(fsdp_size=
 
 @pytest.mark.parametrize("layout", sorted(EXPERT_LAYOUTS))
 def test_lora_on_routed_experts(ranks, checkpoints, tmp_path, layout):  # noqa: F811 - the fixture
-    """PEFT's target_parameters on GroupedExperts' w1/w3/w2 (TensorParallel: A or B split with the weight's
-    hidden dim; ExpertParallel: both split by experts, as PEFT lays them out) beside attention adapters: per-step
-    loss and norm within 1e-5 of hf_moe_tp's model at TP size 1 in one process, the trained adapters equal to
-    its; saved through PEFT on every rank, loaded into that one-process model with the parallel model's logits;
-    merge_and_unload gives them too (EP: merged into each rank's experts, FSDP2's shards of them)."""
+    """PEFT's target_parameters on GroupedExperts' w1_weight/w3_weight/w2_weight (TensorParallel: A or B split
+    with the weight's hidden dim; ExpertParallel: both split by experts, as PEFT lays them out) beside attention
+    adapters: per-step loss and norm within 1e-5 of hf_moe_tp's model at TP size 1 in one process, the trained
+    adapters equal to its; saved through PEFT on every rank, loaded into that one-process model with the parallel
+    model's logits; merge_and_unload gives them too (EP: merged into each rank's experts, FSDP2's shards of them)."""
     world, kwargs = EXPERT_LAYOUTS[layout]
     results = ranks(world).run(_lora_training, checkpoints("mixtral"), kwargs, EXPERTS, STEPS, str(tmp_path / "a"))
     by_experts = (Shard(0), _StridedShard(1, split_factor=4)) if "ep" in layout else None  # ExpertParallel
@@ -301,6 +301,7 @@ def test_lora_save_load_merge(ranks, checkpoints, tmp_path, layout):  # noqa: F8
 REFUSED = {  # LoraConfig, the layout, what the message names
     "all-linear": (dict(target_modules="all-linear"), {}, "target_parameters entry 'down_proj'"),
     "transformers' expert names": (dict(target_parameters=["mlp.experts.gate_up_proj"]), {}, "names no parameter"),
+    "the w1 view": (dict(target_parameters=["mlp.experts.w1"]), {}, "w1/w3/w2 are their transposed views"),
     "router": (dict(target_parameters=["mlp.gate.weight"]), {}, "names parameters of"),
     "pissa": (dict(target_modules=ATTENTION, init_lora_weights="pissa"), {}, "init_lora_weights='pissa'"),
     "dora": (dict(target_modules=ATTENTION, use_dora=True), {}, "use_dora=True"),
@@ -345,7 +346,7 @@ def test_lora_expert_parallel_refusals(ranks, checkpoints, tmp_path, case):  # n
         path = str(save_model(config, tmp_path / family))
     else:
         path = checkpoints(family)
-    for message in ranks(world).run(_refused, path, dict(target_parameters=["mlp.experts.w1"]), layout):
+    for message in ranks(world).run(_refused, path, dict(target_parameters=["mlp.experts.w1_weight"]), layout):
         assert message is not None and named in message, (case, message)
 
 
@@ -363,8 +364,8 @@ def _other_method_refused(path: str) -> str | None:
 
 def test_lora_refusals(ranks, checkpoints):  # noqa: F811 - the fixture
     """What is not placed on the TP model is refused by name on every rank: target_parameters other than our
-    experts' w1/w3/w2 (transformers' names, which PEFT makes of 'all-linear' on Mixtral; routers), base-weight
-    initialisations, LoRA variants, embeddings, other PEFT methods."""
+    experts' w1_weight/w3_weight/w2_weight (their w1/w3/w2 views; transformers' names, which PEFT makes of
+    'all-linear' on Mixtral; routers), base-weight initialisations, LoRA variants, embeddings, other PEFT methods."""
     path = checkpoints("mixtral")
     for case, (lora, layout, named) in REFUSED.items():
         for message in ranks(2).run(_refused, path, lora, layout):

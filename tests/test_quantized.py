@@ -274,14 +274,14 @@ def test_bf16(ranks, quantized, kind):
                 assert diff <= 2**-5 * scale, (diff, scale)
             assert mean <= 2**-6 * scale and agree >= 0.95, (mean, scale, agree)
             if kind == "fp8":  # the same bf16 bits as transformers' dequantized weights
-                w1 = weights["model.layers.1.mlp.experts.w1"]
+                w1 = weights["model.layers.1.mlp.experts.w1_weight"]
                 gate_up = ref_weights["model.layers.1.mlp.experts.gate_up_proj"]
-                assert torch.equal(w1, gate_up[:, : w1.shape[2]].transpose(1, 2))
+                assert torch.equal(w1, gate_up[:, : w1.shape[1]])
                 assert torch.equal(weights["model.layers.0.self_attn.q_b_proj.weight"],
                                    ref_weights["model.layers.0.self_attn.q_b_proj.weight"])
             else:
-                w2 = weights["model.layers.1.mlp.experts.w2"]
-                assert torch.equal(w2, ref_weights["model.layers.1.mlp.experts.down_proj"])
+                w2 = weights["model.layers.1.mlp.experts.w2_weight"]  # GPT-OSS stores it (E, I, H): transposed
+                assert torch.equal(w2, ref_weights["model.layers.1.mlp.experts.down_proj"].transpose(1, 2))
 
 
 # ---- the stored formats, box by box (no ranks) ----------------------------------------------------------------

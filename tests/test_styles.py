@@ -51,7 +51,7 @@ def _tp_matches_unsharded(hidden: int, bias: bool, activation: ExpertActivation,
     parallelize_module(m, mesh, TensorParallel())
 
     placements = {n: p.placements for n, p in m.named_parameters()}
-    local_hidden = m.w1.to_local().shape[2]
+    local_hidden = m.w1.to_local().shape[2]  # the (E, dim, hidden) view of w1_weight, split by hidden
 
     index, weights = routing(TOKENS, EXPERTS, TOP_K, seed=3, unused=(2,))
     torch.manual_seed(4)
@@ -83,7 +83,7 @@ def test_tp_matches_unsharded(ranks, world, hidden):
     results = ranks(world).run(_tp_matches_unsharded, hidden, False, ExpertActivation(), 0.5)
     expected_local = [len(c) for c in torch.arange(hidden).chunk(world)] + [0] * world
     for rank, r in enumerate(results):
-        assert r["placements"] == {"w1": (Shard(2),), "w3": (Shard(2),), "w2": (Shard(1),)}
+        assert r["placements"] == {"w1_weight": (Shard(1),), "w3_weight": (Shard(1),), "w2_weight": (Shard(2),)}
         assert r["local_hidden"] == expected_local[rank]
         assert r["output"] <= FP32_TOL and r["output_after_step"] <= FP32_TOL
         assert max(r["grads"].values()) <= FP32_TOL, r["grads"]
@@ -139,9 +139,9 @@ def _block_matches_transformers(mesh_shape: tuple[int, ...]):
     (yr * upstream).sum().backward()
     rgrads = {n: p.grad for n, p in hf.named_parameters()}
     hidden = hf.experts.intermediate_dim
-    gate_up = rgrads.pop("experts.gate_up_proj").transpose(1, 2)
-    rgrads.update({"experts.w1": gate_up[..., :hidden], "experts.w3": gate_up[..., hidden:],
-                   "experts.w2": rgrads.pop("experts.down_proj").transpose(1, 2)})
+    gate_up = rgrads.pop("experts.gate_up_proj")
+    rgrads.update({"experts.w1_weight": gate_up[:, :hidden], "experts.w3_weight": gate_up[:, hidden:],
+                   "experts.w2_weight": rgrads.pop("experts.down_proj")})
     return {
         "all_dtensors_on_tp": all_dtensors_on_tp,
         "gate_placements": block.gate.weight.placements,
@@ -194,7 +194,7 @@ def _sequence_sharded_io():
     return {
         "output": (y - yr[rows]).abs().max().item(),
         "input_grad": (xs.grad - xr.grad[rows]).abs().max().item(),
-        "w1_grad": (m.w1.grad.full_tensor() - ref.w1.grad).abs().max().item(),
+        "w1_grad": (m.w1_weight.grad.full_tensor() - ref.w1_weight.grad).abs().max().item(),
         "counts": {str(k): v for k, v in comm.get_comm_counts().items()},
     }
 
