@@ -15,9 +15,10 @@ import hf_moe_tp
 from hf_moe_tp import GroupedExperts
 
 FP32_TOL = 2e-5
-# After a training step the logits differ from the reference by round-off in the step itself, which grows with
-# how far the step moved them (the machine's BLAS and summation order decide the last bits): the bound is
-# max(FP32_TOL, STEP_RTOL * the step's largest move of a logit).
+# After a training step the logits differ from the reference by the forward's own round-off (FP32_TOL, as before
+# the step) plus round-off in the step itself, which grows with how far the step moved them (the machine's BLAS
+# and summation order decide the last bits): the bound is FP32_TOL + STEP_RTOL * the step's largest move of a
+# logit (Llama 4 with uneven expert shards measured 2.4e-5 against a move of 0.88).
 STEP_RTOL = 1e-5
 
 
@@ -132,7 +133,7 @@ def _check(results):
         assert r["logits"] <= FP32_TOL, r["logits"]
         assert r["tokens_equal"]
         assert r["loss"] <= FP32_TOL, r["loss"]
-        assert r["logits_after_step"] <= max(FP32_TOL, STEP_RTOL * r["step_effect"]), (
+        assert r["logits_after_step"] <= FP32_TOL + STEP_RTOL * r["step_effect"], (
             r["logits_after_step"], r["step_effect"], r["logits_scale"])
         assert r["expert_placements"], "no GroupedExperts"
         for placements in r["expert_placements"].values():

@@ -66,9 +66,9 @@ def placement_report(model, adapter: str = "default") -> dict:
             continue
         a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
         r = a.shape[0] // (layer.get_param().shape[0] if hasattr(layer, "get_param") else 1)
-        if hasattr(layer, "get_param"):  # an expert weight (E, in, out)
+        if hasattr(layer, "get_param"):  # an expert weight (E, out, in)
             base = layer.get_param()
-            in_dim, out_dim, rank = 1, 2, r * base.shape[0]
+            in_dim, out_dim, rank = 2, 1, r * base.shape[0]
         else:  # a linear weight (out, in)
             base = layer.get_base_layer().weight
             in_dim, out_dim, rank = 1, 0, r

@@ -392,7 +392,7 @@ def test_experts_column_major_deprecated(ranks, checkpoints):
     model has now: the argument warns that it is deprecated, and the model, with FSDP2, matches transformers."""
     for r in ranks(4).run(_column_major, checkpoints("mixtral")):
         assert r["diff"] <= TOL and r["contiguous"] and r["view_strides"], r
-        assert any("experts_column_major=... is deprecated" in w for w in r["warned"]), r
+        assert any("experts_column_major=...) is deprecated" in w for w in r["warned"]), r
 
 
 def _inference_after_fsdp(path: str) -> dict:
