@@ -1,4 +1,8 @@
-"""Which checkpoint tensors fill each model parameter, and how: the map loading and saving share.
+"""Which checkpoint tensors fill each model parameter, and how: the map loading, inspection and saving share.
+
+:func:`read_map` is the whole map for a load, in one call: the checkpoint's tensors as the model sees them
+(:func:`~hf_moe_tp.quantized.checkpoint_view`), renamed, mapped onto parameters, and made to read their storage
+(quantized tensors, FP8 weights kept with their scales). Its parts:
 
 - Names: transformers' renamings for the family (``get_model_conversion_mapping``) turn checkpoint keys into
   the model's names (:func:`model_keys`).
@@ -13,6 +17,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -31,8 +37,41 @@ from transformers.core_model_loading import (
 from model_patches import adapter_for
 from model_patches.base import per_expert_names_from_conversions
 
+from ._compat import MODEL_IGNORE_ON_LOAD
+from .checkpoint import Checkpoint
 from .experts import GroupedExperts
+from .quantized import CheckpointView, checkpoint_view, kept_scales
 from .sources import Axis, Source, identity
+
+
+@dataclass
+class ReadMap:
+    """How a checkpoint fills a model's ``targets`` (model name -> tensor)."""
+
+    view: CheckpointView  # the checkpoint's tensors as the model sees them (checkpoint keys)
+    to_ckpt: dict[str, str]  # model-named key -> checkpoint key
+    shapes: dict[str, tuple[int, ...]]  # model-named key -> shape as read
+    sources: dict[str, list[Source]]  # parameter -> its sources, those of quantized tensors reading their storage
+    unused: list[str]  # checkpoint keys no target reads
+    surprising: list[str]  # those of them the model does not declare ignorable
+    kept: bool  # FP8 weights kept quantized (keep_quantized=True)
+
+
+def read_map(model: nn.Module, ckpt: Checkpoint, targets: dict[str, torch.Tensor]) -> ReadMap:
+    """The map a load of ``ckpt`` into ``model`` follows; reads headers only. A kept FP8 weight (:mod:`hf_moe_tp.fp8`)
+    reads its bytes, and its scale buffer gets sources of its own."""
+    view = checkpoint_view(ckpt, getattr(model, "config", None))
+    to_ckpt = model_keys(model, list(view.tensors))
+    shapes = {name: view.tensors[key].shape for name, key in to_ckpt.items()}
+    kept = kept_scales(model)
+    found = {name: srcs for name, srcs in parameter_sources(model, targets, shapes).items() if name in targets}
+    sources, used = view.read_sources(found, to_ckpt, shapes, kept)
+    unused = sorted(set(ckpt.keys()) - used)
+    ignorable = [re.compile(p) for p in getattr(model, MODEL_IGNORE_ON_LOAD, None) or []]
+    if is_base_model(model):  # its task model's head is not used
+        ignorable.append(re.compile(rf"^(?!{re.escape(model.base_model_prefix)}\.)"))
+    surprising = [k for k in unused if not any(p.search(k) for p in ignorable)]
+    return ReadMap(view, to_ckpt, shapes, sources, unused, surprising, bool(kept))
 
 
 def model_keys(model: nn.Module, keys: list[str]) -> dict[str, str]:

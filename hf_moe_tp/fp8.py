@@ -26,7 +26,6 @@ checkpoint (DeepSeek-V3/R1, Kimi-K2, Qwen3-*-FP8, ...).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,27 +40,15 @@ from .experts import GroupedExperts
 from .grouped_matmul import grouped_mm
 from .linear import ColumnParallel, RowParallel
 from .plans import _style_for
-from .quantized import CheckpointView, Fp8Weight, checkpoint_view, fp8_to_float32, scale_values
+from .quantized import BlockScales, CheckpointView, Fp8Weight, checkpoint_view, fp8_to_float32, scale_values
 from .sources import Axis, Source
 from .styles import LocalParams, NoParallel
 
-SCALE_SUFFIX = "_scale_inv"  # the hub's name for a weight's scales: ``<weight>_scale_inv``
 # the model dim of each stored (E, out, in) expert weight: TP splits hidden, EP the experts, nothing this one
 EXPERT_BLOCKED = {"w1_weight": 2, "w3_weight": 2, "w2_weight": 1}
 CHUNK = 8  # experts dequantized at a time when all of them are
 TORCH_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F32": torch.float32,
                 "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8, "F8_E8M0": torch.float8_e8m0fnu}
-
-
-@dataclass(frozen=True)
-class BlockScales:
-    """How buffer ``scale`` holds an FP8 weight's block scales: one per ``block`` elements along the weight's dim
-    ``dim``, one per element along its others; ``blocks`` is the checkpoint's ``weight_block_size``."""
-
-    scale: str
-    dim: int
-    block: int
-    blocks: tuple[int, int]
 
 
 class KeptFp8:
@@ -266,48 +253,6 @@ def place_scales(model: nn.Module) -> None:
                                      f"weight {w.placements}")
                 continue
             module._buffers[scales.scale] = distribute_tensor(s, w.device_mesh, w.placements)
-
-
-# ---- loading and saving ----------------------------------------------------------------------------------------
-
-
-def kept_scales(model: nn.Module) -> dict[str, tuple[str, BlockScales]]:
-    """Every FP8 weight ``model`` keeps (qualified name) -> its scale buffer's qualified name and layout."""
-    out = {}
-    for prefix, module in model.named_modules():
-        for weight, scales in getattr(module, "fp8_scales", {}).items():
-            dot = f"{prefix}." if prefix else ""
-            out[f"{dot}{weight}"] = (f"{dot}{scales.scale}", scales)
-    return out
-
-
-def scale_sources(weight_sources: list[Source], scales: BlockScales) -> list[tuple[Source, int, int]]:
-    """The sources of a kept weight's scale buffer, one per source of the weight: the same map onto the checkpoint's
-    scales (key: the weight's + ``_scale_inv``), seen repeated along the checkpoint dim of the weight's other
-    matrix dim; each with that checkpoint dim and the block along it."""
-    out = []
-    for s in weight_sources:
-        blocked = s.dims[scales.dim].dim
-        first = len(s.shape) - 2
-        expanded = 2 * first + 1 - blocked
-        shape = list(s.shape)
-        shape[blocked] = -(-shape[blocked] // scales.block)
-        out.append((Source(s.key + SCALE_SUFFIX, s.dims, tuple(shape)), expanded, scales.blocks[expanded - first]))
-    return out
-
-
-def add_scale_sources(view: CheckpointView, sources: dict[str, list[Source]], kept: dict[str, tuple[str, BlockScales]],
-                      to_ckpt: dict[str, str], shapes: dict[str, tuple]) -> None:
-    """Loading a model that keeps FP8 weights (``kept``: :func:`kept_scales`): their sources read the stored bytes,
-    and their scale buffers get sources of their own (``sources``, ``to_ckpt`` and ``shapes`` extended in place)."""
-    for weight, (scale, scales) in kept.items():
-        sources[scale] = []
-        for source, expanded, _ in scale_sources(sources.get(weight, []), scales):
-            stored = to_ckpt.get(source.key.removesuffix(SCALE_SUFFIX))
-            if stored is None:
-                continue  # the weight's own tensor is missing: the loader's checks name it
-            to_ckpt[source.key], shapes[source.key] = view.keep_fp8(stored, expanded)
-            sources[scale].append(source)
 
 
 def _empty(shape: tuple[int, ...], swapped: bool, dtype: torch.dtype) -> torch.Tensor:

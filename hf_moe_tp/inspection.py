@@ -27,11 +27,10 @@ from model_patches import adapter_for
 from . import plans
 from ._compat import fake_store, local_shape_and_offset_at, root_mesh
 from .checkpoint import INDEX_FILE, SINGLE_FILE, ST_DTYPES, Checkpoint
-from .conversions import model_keys, parameter_sources
+from .conversions import ReadMap, read_map
 from .fsdp import shard_data_parallel
 from .loading import default_threads, load_targets
 from .meshes import resolve_layout
-from .quantized import CheckpointView, checkpoint_view
 from .towers import towers
 
 
@@ -89,7 +88,7 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
     weights = (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file()
     config = AutoConfig.from_pretrained(path)
     ckpt = Checkpoint(folder) if weights else None  # headers only
-    view = checkpoint_view(ckpt, config) if weights else None  # quantized weights as what they stand for
+    quantization = None
     world = tp * fsdp * dp_replicate
     dist.init_process_group("fake", rank=0, world_size=world, store=fake_store())
     try:
@@ -108,7 +107,9 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
         rank_bytes = [sum(_nbytes(t, boxes(t, r)) for t in targets.values() if id(t) in params) for r in range(world)]
         total = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
         if weights:
-            disk_bytes, largest = _disk_bytes(model, view, ckpt, targets, boxes, world)
+            found = read_map(model, ckpt, targets)  # the loader's own map
+            quantization = found.view.quantization
+            disk_bytes, largest = _disk_bytes(found, ckpt, targets, boxes, world)
         else:  # an unquantized checkpoint of the config's tensors: each rank reads exactly its boxes
             disk_bytes = [sum(_nbytes(t, boxes(t, r)) for t in targets.values()) for r in range(world)]
             largest = [max(_nbytes(t, boxes(t, r)) for t in targets.values()) for r in range(world)]
@@ -127,7 +128,7 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
         rank_bytes=rank_bytes,
         total_bytes=total,
         checkpoint_bytes=sum(f.stat().st_size for f in {i.file for i in ckpt.tensors.values()}) if weights else total,
-        quantization=view.quantization.describe() if weights and view.quantization else None,
+        quantization=quantization.describe() if quantization else None,
         rank_disk_bytes=disk_bytes,
         towers=tower_layouts,
         layout=dims,
@@ -173,13 +174,11 @@ class _Boxes:
 _ITEMSIZE = {name: dtype.itemsize for dtype, name in ST_DTYPES.items()} | {"F8_E8M0": 1}
 
 
-def _disk_bytes(model, view: CheckpointView, ckpt: Checkpoint, targets: dict, boxes: _Boxes, world: int
+def _disk_bytes(found: ReadMap, ckpt: Checkpoint, targets: dict, boxes: _Boxes, world: int
                 ) -> tuple[list[int], list[int]]:
     """Bytes of the checkpoint each rank's load reads (the loader's own requests for every rank's boxes), and the
     largest single read per rank (what one reader thread's buffer holds at most)."""
-    to_ckpt = model_keys(model, list(view.tensors))
-    shapes = {name: view.tensors[key].shape for name, key in to_ckpt.items()}
-    sources = view.sources(parameter_sources(model, targets, shapes), to_ckpt)
+    sources, to_ckpt = found.sources, found.to_ckpt
     out, largest = [0] * world, [0] * world
     for name, t in targets.items():
         for rank in range(world):

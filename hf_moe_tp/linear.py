@@ -29,7 +29,15 @@ from .styles import _check_mesh, _SumGradOverMesh, distribute_params, local_duri
 class ColumnParallel(ColwiseParallel):
     """torch's ``ColwiseParallel``, computed on local tensors for an ``nn.Linear`` with a whole (replicated)
     input and a local output: this rank's slice of the features, or all of them (``output_layouts=Replicate()``,
-    gathered)."""
+    gathered).
+
+    ``keep_split_in_training``: on a model's gathering output projection, training-mode forwards with labels keep
+    the logits split over the vocabulary (``loss_parallel``; read by :func:`hf_moe_tp.loss.split_loss`, which
+    :func:`hf_moe_tp.apply_plan` installs)."""
+
+    def __init__(self, *args, keep_split_in_training: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.keep_split_in_training = keep_split_in_training
 
     def computes_locally(self, module: nn.Module) -> bool:
         """Whether this style runs ``module`` on local tensors (otherwise torch's own implementation runs it)."""

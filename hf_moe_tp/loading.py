@@ -10,7 +10,6 @@ rank, so a bad checkpoint raises everywhere instead of leaving ranks waiting.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,11 +21,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
-from ._compat import MODEL_IGNORE_ON_LOAD, local_shape_and_offset
+from ._compat import local_shape_and_offset
 from .checkpoint import Checkpoint, CheckpointError
-from .conversions import is_base_model, model_keys, parameter_sources
-from .fp8 import add_scale_sources, kept_scales
-from .quantized import Quantization, checkpoint_view
+from .conversions import ReadMap, read_map
+from .quantized import Quantization
 from .sources import Box, Request
 
 # safetensors dtypes a floating parameter may be filled from (cast while copying)
@@ -72,75 +70,21 @@ def load_checkpoint(
     checkpoint byte once instead of once per replica. A failed read raises on every rank of the group.
     """
     start = time.perf_counter()
-    threads = threads or default_threads()
+    # One straight pass: the checkpoint's headers -> the map onto every target (conversions; headers only) ->
+    # every check -> each rank's box of each target's final DTensor -> requests (sources) -> read and copy.
     ckpt = Checkpoint(Path(path), record=record_reads)
     try:
-        view = checkpoint_view(ckpt, getattr(model, "config", None))  # quantized weights as what they stand for
-        to_ckpt = model_keys(model, list(view.tensors))
-        shapes = {name: view.tensors[key].shape for name, key in to_ckpt.items()}
-        device = _device(model)
         targets = load_targets(model)
-        found = parameter_sources(model, targets, shapes)
-        kept = kept_scales(model)
-        if kept:  # FP8 weights kept quantized (keep_quantized=True): their bytes, and their scales beside them
-            add_scale_sources(view, found, kept, to_ckpt, shapes)
-        sources = view.sources(found, to_ckpt)
-        used = view.storage_keys({to_ckpt[s.key] for name in targets for s in sources.get(name, [])
-                                  if s.key in to_ckpt})
-        unexpected = sorted(set(ckpt.keys()) - used)
-        ignorable = [re.compile(p) for p in getattr(model, MODEL_IGNORE_ON_LOAD, None) or []]
-        if is_base_model(model):  # its task model's head is not used
-            ignorable.append(re.compile(rf"^(?!{re.escape(model.base_model_prefix)}\.)"))
-        surprising = [k for k in unexpected if not any(p.search(k) for p in ignorable)]
-        model_type = getattr(getattr(model, "config", None), "model_type", "?")
-        _check(targets, sources, shapes, to_ckpt, ckpt.path, view.tensors, surprising, model_type)
-        if surprising and strict:
-            shown = ", ".join(f"{k} (in {ckpt.tensors[k].file.name})" for k in surprising[:5])
-            more = f" and {len(surprising) - 5} more" if len(surprising) > 5 else ""
-            raise CheckpointError(f"{path}: {len(surprising)} checkpoint tensors match no parameter of "
-                                  f"{type(model).__name__}: {shown}{more} (strict=False to load anyway)")
-        owners = _owners(model)
-        jobs: list[tuple[Request, torch.Tensor]] = []
-        filled: dict[str, torch.Tensor] = {}
-        for name, tensor in targets.items():
-            local = filled[name] = _materialize(owners, name, tensor, device)
-            box = local_box(local)
-            covered = 0
-            for source in sources[name]:
-                request = source.request(tuple(local.shape), box)
-                if request is not None:
-                    jobs.append((request, _local(local).detach()))
-                    covered += request.numel
-            if covered != _local(local).numel():
-                raise CheckpointError(f"{path}: the sources of {name} cover {covered} of its "
-                                      f"{_local(local).numel()} local elements")
-        receives = replicas is not None and dist.get_world_size(replicas) > 1 and dist.get_rank(replicas) != 0
-        show = progress if progress is not None else _rank() == 0
-        failed: BaseException | None = None
-        with torch.no_grad(), ThreadPoolExecutor(threads) as pool, tqdm(
-            total=len(jobs), desc=f"loading {Path(path).name}", unit="tensor", disable=not show or receives
-        ) as bar:
-
-            def run(job: tuple[Request, torch.Tensor]) -> None:
-                request, local = job
-                with torch.no_grad():  # grad mode is per thread
-                    request.place(request.fetch(ckpt.read, to_ckpt[request.key]), local)
-                bar.update()
-
-            try:
-                for _ in pool.map(run, [] if receives else jobs):
-                    pass
-            except Exception as e:  # noqa: BLE001 - the replicas must hear of it before they wait for the bytes
-                failed = e
-        received = 0
-        if replicas is not None and dist.get_world_size(replicas) > 1:
-            received = _broadcast_from_first(filled, replicas, failed, receives)
-        elif failed is not None:
-            raise failed
+        found = read_map(model, ckpt, targets)
+        _check(model, targets, found, ckpt.path, strict)
+        jobs, filled = _requests(model, targets, found, ckpt.path)
+        received = _read(jobs, filled, ckpt, found.to_ckpt, threads or default_threads(), replicas,
+                         progress if progress is not None else _rank() == 0)
         if hasattr(model, "tie_weights"):
             model.tie_weights()
-        if view.quantization is not None and not kept:  # plain weights now: it saves as a plain checkpoint
+        if found.view.quantization is not None and not found.kept:  # plain weights now: saved as a plain checkpoint
             del model.config.quantization_config
+        unexpected = found.unused
         if unexpected and _rank() == 0:
             shown = ", ".join(unexpected[:8]) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
             logger.warning("%s: %d checkpoint tensors are not used by the model: %s", path, len(unexpected), shown)
@@ -151,10 +95,60 @@ def load_checkpoint(
             bytes_read=ckpt.bytes_read,
             bytes_received=received,
             seconds=time.perf_counter() - start,
-            quantization=view.quantization,
+            quantization=found.view.quantization,
         )
     finally:
         ckpt.close()
+
+
+def _requests(model: nn.Module, targets: dict[str, torch.Tensor], found: ReadMap, path: Path
+              ) -> tuple[list[tuple[Request, torch.Tensor]], dict[str, torch.Tensor]]:
+    """Allocate each meta target's local shard; for each, the requests that fill this rank's box of it. Returns
+    the requests with the local tensors they fill, and the filled targets."""
+    device, owners = _device(model), _owners(model)
+    jobs: list[tuple[Request, torch.Tensor]] = []
+    filled: dict[str, torch.Tensor] = {}
+    for name, tensor in targets.items():
+        local = filled[name] = _materialize(owners, name, tensor, device)
+        box = local_box(local)
+        covered = 0
+        for source in found.sources[name]:
+            request = source.request(tuple(local.shape), box)
+            if request is not None:
+                jobs.append((request, _local(local).detach()))
+                covered += request.numel
+        if covered != _local(local).numel():
+            raise CheckpointError(f"{path}: the sources of {name} cover {covered} of its "
+                                  f"{_local(local).numel()} local elements")
+    return jobs, filled
+
+
+def _read(jobs: list[tuple[Request, torch.Tensor]], filled: dict[str, torch.Tensor], ckpt: Checkpoint,
+          to_ckpt: dict[str, str], threads: int, replicas: dist.ProcessGroup | None, show: bool) -> int:
+    """Run the requests on ``threads`` reader threads (on the first rank of ``replicas`` only, which then
+    broadcasts what it read to the others); returns the bytes this rank received."""
+    receives = replicas is not None and dist.get_world_size(replicas) > 1 and dist.get_rank(replicas) != 0
+    failed: BaseException | None = None
+    with torch.no_grad(), ThreadPoolExecutor(threads) as pool, tqdm(
+        total=len(jobs), desc=f"loading {ckpt.path.name}", unit="tensor", disable=not show or receives
+    ) as bar:
+
+        def run(job: tuple[Request, torch.Tensor]) -> None:
+            request, local = job
+            with torch.no_grad():  # grad mode is per thread
+                request.place(request.fetch(ckpt.read, to_ckpt[request.key]), local)
+            bar.update()
+
+        try:
+            for _ in pool.map(run, [] if receives else jobs):
+                pass
+        except Exception as e:  # noqa: BLE001 - the replicas must hear of it before they wait for the bytes
+            failed = e
+    if replicas is not None and dist.get_world_size(replicas) > 1:
+        return _broadcast_from_first(filled, replicas, failed, receives)
+    if failed is not None:
+        raise failed
+    return 0
 
 
 def _broadcast_from_first(targets: dict[str, torch.Tensor], group: dist.ProcessGroup, failed: BaseException | None,
@@ -212,8 +206,12 @@ def load_targets(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _check(targets, sources, shapes, to_ckpt, path: Path, tensors: dict, unexpected: list[str], model_type: str
-           ) -> None:
+def _check(model: nn.Module, targets: dict[str, torch.Tensor], found: ReadMap, path: Path, strict: bool) -> None:
+    """Every refusal the headers allow, before any read, the same on every rank: targets without a tensor, tensors
+    of the wrong shape or of an uncastable dtype, and (``strict``) checkpoint tensors no target uses."""
+    sources, shapes, to_ckpt, tensors = found.sources, found.shapes, found.to_ckpt, found.view.tensors
+    unexpected = found.surprising
+    model_type = getattr(getattr(model, "config", None), "model_type", "?")
     missing = [n for n in targets if n not in sources]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
@@ -229,17 +227,22 @@ def _check(targets, sources, shapes, to_ckpt, path: Path, tensors: dict, unexpec
         for s in srcs:
             if s.key not in shapes:
                 raise CheckpointError(f"{path}: {name} needs checkpoint tensor {s.key}, which is missing")
-            found = tuple(shapes[s.key])
+            got = tuple(shapes[s.key])
             info = tensors[to_ckpt[s.key]]
             file = info.file
             if targets[name].is_floating_point() and info.dtype not in FLOAT_DTYPES:
                 raise CheckpointError(f"{file}: tensor {to_ckpt[s.key]} is {info.dtype}, which cannot be cast to "
                                       f"{name}'s {targets[name].dtype}")
-            if found != tuple(s.shape):
+            if got != tuple(s.shape):
                 raise CheckpointError(
-                    f"{file}: tensor {to_ckpt[s.key]} has shape {list(found)}, but {name} of shape "
+                    f"{file}: tensor {to_ckpt[s.key]} has shape {list(got)}, but {name} of shape "
                     f"{list(targets[name].shape)} needs {list(s.shape)} (does the config match the checkpoint?)"
                 )
+    if unexpected and strict:
+        shown = ", ".join(f"{k} (in {found.view.headers[k].file.name})" for k in unexpected[:5])
+        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
+        raise CheckpointError(f"{path}: {len(unexpected)} checkpoint tensors match no parameter of "
+                              f"{type(model).__name__}: {shown}{more} (strict=False to load anyway)")
 
 
 def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, bool]]]:

@@ -89,9 +89,19 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from ._compat import LORA_CHECK, LORA_CREATE, LORA_UNLOAD, PEFT_DEVICE_MESH, PEFT_TP_PLAN, strided_shard
+from .agreement import agree, describe
 from .linear import KEEP_SPLIT, ColumnParallel, RowParallel
 from .saving import SaveError
-from .styles import LocalParams, MlaKvAProj, NoParallel, _SumGradOverMesh, local_during_forward, sum_over_mesh
+from .styles import (
+    LocalParams,
+    MlaKvAProj,
+    NoParallel,
+    _SumGradOverMesh,
+    local_during_forward,
+    sum_over_mesh,
+    swap_back,
+    swap_in,
+)
 
 # init_lora_weights values drawn without reading the base weights: PEFT's own draws, at the whole shapes
 SUPPORTED_INITS = (True, False, "gaussian")
@@ -348,7 +358,7 @@ def _delta_like_base(layer: nn.Module, adapter: str) -> torch.Tensor:
 
 
 def _delta_by_experts(layer: nn.Module, adapter: str, weight: DTensor) -> torch.Tensor:
-    """This rank's experts' ``B @ A`` (E_local, in, out) from PEFT's per-expert factors (``get_delta_factors``:
+    """This rank's experts' ``B @ A`` (E_local, out, in) from PEFT's per-expert factors (``get_delta_factors``:
     PEFT's own ``get_delta_weight`` takes an expert count of 1, one expert per rank, for a 2-D weight); outside
     the forward, from the local factors, as a DTensor placed as the weight is."""
     dtensor = isinstance(layer.lora_A[adapter].weight, DTensor)
@@ -357,7 +367,7 @@ def _delta_by_experts(layer: nn.Module, adapter: str, weight: DTensor) -> torch.
         lhs, rhs, scaling = type(layer).get_delta_factors(layer, adapter)
         delta = torch.bmm(lhs, rhs) * scaling
     finally:
-        _put_back(swapped)
+        swap_back(swapped)
     if dtensor:
         delta = DTensor.from_local(delta, weight.device_mesh, layer._hf_moe_tp_by_experts, run_check=False,
                                    shape=weight.shape, stride=weight.stride())
@@ -465,46 +475,34 @@ def _expert_adapters_local(layer: nn.Module, local_of: Callable[[DTensor], torch
     """During the ``ParamWrapper``'s forward, its base weight appears as this rank's shard (a frozen local
     parameter, which PEFT's parametrization then folds the adapter into), every adapter's factors as
     ``local_of`` them, and its expert count as this rank's."""
-    saved: list[list[tuple[dict, str, Any]]] = []
+    saved: list[list[tuple[dict, str, Any, Any]]] = []
 
     def use_local(module: nn.Module, args: tuple) -> None:
         saved.append(_swap_local(layer, local_of, weight=True))
 
     def restore(module: nn.Module, args: tuple, out: Any) -> None:
         if saved:
-            _put_back(saved.pop())
+            swap_back(saved.pop())
 
     layer.register_forward_pre_hook(use_local)
     layer.register_forward_hook(restore, always_call=True)
 
 
 def _swap_local(layer: nn.Module, local_of: Callable[[DTensor], torch.Tensor], weight: bool
-                ) -> list[tuple[dict, str, Any]]:
+                ) -> list[tuple[dict, str, Any, Any]]:
     """Put the local views in place (the base weight's too with ``weight``); returns what to put back. PEFT
     reshapes the factors by ``num_experts``: this rank's count, read from its rows of ``lora_A`` (r per expert;
     all experts unless they are split; a weight FSDP2 has resharded holds fewer)."""
-    swapped: list[tuple[dict, str, Any]] = []
+    swapped = []
     base, pname = layer.get_base_layer(), layer.parameter_name
-    param = base._parameters.get(pname)
-    if weight and isinstance(param, DTensor):
-        base._parameters[pname] = nn.Parameter(param.to_local(), requires_grad=False)
-        swapped.append((base._parameters, pname, param))
+    if weight:
+        swapped += swap_in([(base._parameters, pname)], lambda p: nn.Parameter(p.to_local(), requires_grad=False))
     adapter, a = next(iter(layer.lora_A.items()), (None, None))
     if a is not None and isinstance(a.weight, DTensor):
-        swapped.append((vars(layer), "num_experts", layer.num_experts))
-        layer.num_experts = a.weight.to_local().shape[0] // layer.r[adapter]
-    for factors in (layer.lora_A, layer.lora_B):
-        for factor in factors.values():
-            p = factor._parameters.get("weight")
-            if isinstance(p, DTensor):
-                factor._parameters["weight"] = local_of(p)
-                swapped.append((factor._parameters, "weight", p))
-    return swapped
-
-
-def _put_back(swapped: list[tuple[dict, str, Any]]) -> None:
-    for table, name, value in reversed(swapped):
-        table[name] = value
+        count = a.weight.to_local().shape[0] // layer.r[adapter]
+        swapped += swap_in([(vars(layer), "num_experts")], lambda _: count, swaps=lambda _: True)
+    factors = [(f._parameters, "weight") for group in (layer.lora_A, layer.lora_B) for f in group.values()]
+    return swapped + swap_in(factors, local_of)
 
 
 def _tp_dim(mesh: DeviceMesh, where: str) -> int:
@@ -793,15 +791,8 @@ def _is_adapter_key(key: str) -> bool:
 
 
 def _agree(error: BaseException | None, what: str) -> None:
-    """Every rank's outcome exchanged: the same :class:`SaveError` on every rank if any failed."""
-    message = None if error is None else f"{type(error).__name__}: {error}"
-    messages = [message]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        messages = [None] * dist.get_world_size()
-        dist.all_gather_object(messages, message)
-    failed = {rank: m for rank, m in enumerate(messages) if m is not None}
-    if failed:
-        raise SaveError(f"{what}: " + "; ".join(f"rank {r}: {m}" for r, m in failed.items())) from error
+    """The same :class:`SaveError` on every rank if any failed."""
+    agree(error, lambda failed: SaveError(f"{what}: {describe(failed)}"))
 
 
 _hook = None  # torch's handle of the module-registration hook while PEFT is watched

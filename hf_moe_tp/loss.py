@@ -80,17 +80,18 @@ def causal_lm_loss(
     return losses.sum() / num_items_in_batch
 
 
-def split_loss(model: nn.Module, plan: dict, keep_split_in_training: bool = False) -> bool:
+def split_loss(model: nn.Module, plan: dict) -> bool:
     """Have ``model``'s forwards with ``labels`` take the loss from logits split over the vocabulary, where its
     output projection is a gathering :class:`~hf_moe_tp.linear.ColumnParallel` (``plan``'s entry) and its loss
-    is transformers' causal-LM one; returns whether it does. The outputs' logits are gathered, except with
-    ``keep_split_in_training`` (``loss_parallel=True``) or inside :func:`loss_only`, in a training-mode forward
-    that computed a loss."""
+    is transformers' causal-LM one; returns whether it does. The outputs' logits are gathered, except where the
+    style says ``keep_split_in_training`` (``loss_parallel=True``) or inside :func:`loss_only`, in a
+    training-mode forward that computed a loss. :func:`hf_moe_tp.apply_plan` calls it."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     style = next((plan.get(n) for n, m in model.named_modules() if m is head), None) if head is not None else None
     if not (isinstance(style, ColumnParallel) and style.output_layouts[0] == Replicate()
             and style.computes_locally(head) and getattr(model, "loss_function", None) is ForCausalLMLoss):
         return False
+    keep_split_in_training = style.keep_split_in_training
     params = list(inspect.signature(model.forward).parameters)
     if "labels" not in params:
         return False

@@ -27,6 +27,7 @@ from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
 from .hf_plan import entries, heads_divide, matches
 from .linear import ColumnParallel, RowParallel
+from .loss import split_loss
 from .styles import (
     LocalDuringCall,
     LocalParams,
@@ -91,8 +92,10 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, 
     transformers' plan leaves out is split over the vocabulary too. Tied input/output embeddings stay
     replicated.
 
-    ``loss_parallel``: a split output projection returns its logits as a DTensor split over the vocabulary
-    instead of gathering them, for :func:`hf_moe_tp.loss.causal_lm_loss`.
+    ``loss_parallel``: the split output projection keeps its logits split over the vocabulary in training-mode
+    forwards with labels (:mod:`hf_moe_tp.loss`, installed by :func:`apply_plan`): exactly
+    ``from_pretrained(loss_parallel=True)``. A model whose output projection is not split (tied embeddings, a
+    vocabulary that does not divide) is refused by name.
     """
     if isinstance(model, PretrainedConfig):
         model = meta_model(model)
@@ -118,7 +121,7 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, 
                 continue
             if tp_size is None or _divides(name, module, style_name, owning_config(model, name), tp_size):
                 plan[name] = HF_STYLES[style_name]()
-    head = _output_embedding_name(model)
+    head = output_embedding_name(model)
     if (head and head not in plan and not tied and tp_size and isinstance(modules[head], nn.Linear)
             and modules[head].out_features % tp_size == 0):
         plan[head] = HF_STYLES["colwise_gather_output"]()  # families whose transformers plan leaves it whole
@@ -135,12 +138,24 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, 
                 rname = f"{parent}.{router}" if parent else router
                 if rname in modules and rname not in plan:
                     plan[rname] = NoParallel()
-    if loss_parallel and isinstance(plan.get(head), ColwiseParallel):
-        plan[head] = ColwiseParallel(use_local_output=False)  # logits stay Shard(-1): never gathered
+    if loss_parallel:
+        plan[head] = loss_parallel_head(model, plan.get(head), head)
     return plan
 
 
-def _output_embedding_name(model: nn.Module) -> str | None:
+def loss_parallel_head(model: nn.Module, style: ParallelStyle | None, head: str | None) -> ColumnParallel:
+    """``style`` (the output projection's) made to keep the logits split in training (``loss_parallel``); it must
+    be a gathering :class:`ColumnParallel`."""
+    if not (isinstance(style, ColumnParallel) and style.output_layouts[0] == Replicate()):
+        why = "tied to the input embeddings or its vocabulary does not divide" if style is None else f"is {style!r}"
+        raise ValueError(f"loss_parallel=True needs the output projection ({head}) split over the vocabulary by a "
+                         f"gathering ColumnParallel, but in this plan it {why}; load without loss_parallel")
+    return ColumnParallel(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                          use_local_output=style.use_local_output, keep_split_in_training=True)
+
+
+def output_embedding_name(model: nn.Module) -> str | None:
+    """The qualified name of ``model``'s output projection (``lm_head``), if it has one."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return next((name for name, module in model.named_modules() if module is head), None) if head else None
 
@@ -215,8 +230,10 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
                ep_mesh: DeviceMesh | None = None) -> nn.Module:
     """Apply ``plan`` (names or ``*`` patterns -> styles or style names), then replicate every parameter left
     as a plain tensor. ``ExpertParallel`` entries go on ``ep_mesh`` when given (a 2-D ``(ep, tp)`` mesh whose
-    ``tp`` dimension is ``mesh``), on ``mesh`` otherwise. Switches on the integrations with accelerate, PEFT and
-    the Trainer (:mod:`hf_moe_tp.integration`)."""
+    ``tp`` dimension is ``mesh``), on ``mesh`` otherwise. Where the output projection is split over the
+    vocabulary, forwards with labels take the loss from the split logits (:func:`hf_moe_tp.loss.split_loss`;
+    ``model.hf_moe_tp_split_loss`` says whether). Switches on the integrations with accelerate, PEFT and the
+    Trainer (:mod:`hf_moe_tp.integration`)."""
     from .integration import enable
 
     enable()
@@ -255,6 +272,7 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
             for method in FEATURE_METHODS:
                 if names and callable(getattr(type(module), method, None)):
                     setattr(module, method, LocalDuringCall(module, method, names))
+    model.hf_moe_tp_split_loss = split_loss(model, every)
     return model
 
 

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 from transformers import GenerationConfig, PreTrainedModel
 
-from . import plans
+from . import agreement, plans
 from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
 from .fp8 import keep_fp8_weights, place_scales
@@ -22,7 +22,6 @@ from .fsdp import divide_expert_gradients, shard_data_parallel
 from .hf_arguments import refuse, resolve
 from .input_check import check_inputs_on, check_mode
 from .loading import load_checkpoint
-from .loss import split_loss
 from .meshes import init_process_group, mesh_device, resolve_layout
 from .randomness import generate_on_leader_state, same_draws_in_training
 from .saving import bind_save_pretrained
@@ -164,7 +163,8 @@ def from_pretrained(
                              "a device_mesh with a data-parallel dimension")
         model = plans.meta_model(config, model_class, dtype, attn_implementation=args.attn_implementation)
         _buffers_to(model, mesh_device(mesh))  # the loader allocates parameters where the buffers are
-        plan = _plan(model, tp_plan, mesh, ep_size=ep_size or (ep_mesh["ep"].size() if ep_mesh else None))
+        plan = _plan(model, tp_plan, mesh, ep_size=ep_size or (ep_mesh["ep"].size() if ep_mesh else None),
+                     loss_parallel=loss_parallel)
         if ep_dispatch is not None:
             plan = {n: ExpertParallel(input_layout=s.input_layout, dispatch=ep_dispatch)
                     if isinstance(s, ExpertParallel) else s for n, s in plan.items()}
@@ -178,7 +178,6 @@ def from_pretrained(
         if hasattr(model, "generate"):  # so do sampled tokens
             generate_on_leader_state(model, mesh)
         model.hf_moe_tp_plan = plan
-        model.hf_moe_tp_split_loss = split_loss(model, plan, keep_split_in_training=loss_parallel)
         if layout.dp is not None:  # the final layout first, on the meta device: each rank reads its FSDP shards
             shard_data_parallel(model, layout.dp, mp_policy=mp_policy, offload_policy=offload_policy)
         model.hf_moe_tp_load = load_checkpoint(model, path, threads=threads, record_reads=record_reads,
@@ -209,29 +208,30 @@ class LoadError(RuntimeError):
 
 
 def agree(error: BaseException | None) -> None:
-    """Exchange every rank's outcome; raise the same :class:`LoadError` on every rank if any rank failed."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        if error is not None:
-            raise error
-        return
-    message = None if error is None else f"{type(error).__name__}: {error}"
-    outcomes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, message)
-    failures = {rank: m for rank, m in enumerate(outcomes) if m is not None}
-    if failures:
-        raise LoadError(failures) from error
+    """Raise the same :class:`LoadError` on every rank if any rank failed (one process: the error itself)."""
+    if error is not None and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        raise error
+    agreement.agree(error, LoadError)
 
 
-def _plan(model: nn.Module, plan, mesh: DeviceMesh, ep_size: int | None = None) -> dict[str, ParallelStyle]:
+def _plan(model: nn.Module, plan, mesh: DeviceMesh, ep_size: int | None = None, loss_parallel: bool = False
+          ) -> dict[str, ParallelStyle]:
+    """The plan ``tp_plan`` names; with ``loss_parallel`` its output projection keeps the logits split in training
+    (as ``tp_plan(model, loss_parallel=True)`` gives it)."""
     if plan == "auto":
-        return plans.tp_plan(model, mesh.size(), ep_size=ep_size)
+        return plans.tp_plan(model, mesh.size(), ep_size=ep_size, loss_parallel=loss_parallel)
     if plan is None:  # nothing split; with ep_size, expert parallelism alone
+        out = {}
         if ep_size and ep_size > 1:
-            return {n: ExpertParallel() for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
-        return {}
-    if isinstance(plan, dict):
-        return plans.resolve_plan(plan)
-    raise ValueError(f"tp_plan must be 'auto', None or a dict of module names to styles, got {plan!r}")
+            out = {n: ExpertParallel() for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
+    elif isinstance(plan, dict):
+        out = plans.resolve_plan(plan)
+    else:
+        raise ValueError(f"tp_plan must be 'auto', None or a dict of module names to styles, got {plan!r}")
+    if loss_parallel:
+        head = plans.output_embedding_name(model)
+        out[head] = plans.loss_parallel_head(model, out.get(head), head)
+    return out
 
 
 def _replicas(layout, read_once: bool | None) -> dist.ProcessGroup | None:

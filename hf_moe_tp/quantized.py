@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from .checkpoint import Checkpoint, CheckpointError, TensorInfo
 from .sources import Request, Source
@@ -41,6 +42,7 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 MX_GROUP = 32  # inputs per MXFP4 scale
 
 Read = Callable[[str, tuple[slice, ...]], torch.Tensor]  # Checkpoint.read: checkpoint key, box -> tensor
+SCALE_SUFFIX = "_scale_inv"  # the hub's name for a weight's scales: ``<weight>_scale_inv``
 
 
 @dataclass(frozen=True)
@@ -307,6 +309,17 @@ class CheckpointView:
     quantization: Quantization | None = None
     headers: dict[str, TensorInfo] = field(default_factory=dict)  # the checkpoint's own
 
+    def read_sources(self, found: dict[str, list[Source]], to_ckpt: dict[str, str], shapes: dict[str, tuple],
+                     kept: dict[str, tuple[str, BlockScales]]) -> tuple[dict[str, list[Source]], set[str]]:
+        """The sources of a load, made to read their storage (:meth:`sources`), with those of the scale buffers of
+        the FP8 weights ``model`` keeps (``kept``: :func:`kept_scales`; ``to_ckpt`` and ``shapes`` extended in
+        place); and the checkpoint keys they read."""
+        if kept:
+            add_scale_sources(self, found, kept, to_ckpt, shapes)
+        sources = self.sources(found, to_ckpt)
+        return sources, self.storage_keys({to_ckpt[s.key] for srcs in sources.values() for s in srcs
+                                           if s.key in to_ckpt})
+
     def sources(self, sources: dict[str, list[Source]], to_ckpt: dict[str, str]) -> dict[str, list[Source]]:
         """``sources`` with those of quantized tensors made :class:`QuantizedSource`."""
         if not self.stored:
@@ -425,3 +438,56 @@ def _mxfp4(ckpt: Checkpoint, blocks: str, scales: str) -> Mxfp4Weight:
         raise CheckpointError(f"{binfo.file}: MXFP4 {blocks} {binfo.dtype} {list(shape)} with {scales} {sinfo.dtype} "
                               f"{list(sshape)}; expected U8 (experts, rows, groups, 16) and U8 (experts, rows, groups)")
     return Mxfp4Weight(blocks, scales, (shape[0], shape[2] * MX_GROUP, shape[1]))
+
+
+@dataclass(frozen=True)
+class BlockScales:
+    """How buffer ``scale`` holds an FP8 weight's block scales: one per ``block`` elements along the weight's dim
+    ``dim``, one per element along its others; ``blocks`` is the checkpoint's ``weight_block_size``."""
+
+    scale: str
+    dim: int
+    block: int
+    blocks: tuple[int, int]
+
+
+# ---- FP8 weights kept quantized (hf_moe_tp.fp8): their scales, as loading and saving map them ------------------
+
+
+def kept_scales(model: nn.Module) -> dict[str, tuple[str, BlockScales]]:
+    """Every FP8 weight ``model`` keeps (qualified name) -> its scale buffer's qualified name and layout."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for weight, scales in getattr(module, "fp8_scales", {}).items():
+            dot = f"{prefix}." if prefix else ""
+            out[f"{dot}{weight}"] = (f"{dot}{scales.scale}", scales)
+    return out
+
+
+def scale_sources(weight_sources: list[Source], scales: BlockScales) -> list[tuple[Source, int, int]]:
+    """The sources of a kept weight's scale buffer, one per source of the weight: the same map onto the checkpoint's
+    scales (key: the weight's + ``_scale_inv``), seen repeated along the checkpoint dim of the weight's other
+    matrix dim; each with that checkpoint dim and the block along it."""
+    out = []
+    for s in weight_sources:
+        blocked = s.dims[scales.dim].dim
+        first = len(s.shape) - 2
+        expanded = 2 * first + 1 - blocked
+        shape = list(s.shape)
+        shape[blocked] = -(-shape[blocked] // scales.block)
+        out.append((Source(s.key + SCALE_SUFFIX, s.dims, tuple(shape)), expanded, scales.blocks[expanded - first]))
+    return out
+
+
+def add_scale_sources(view: CheckpointView, sources: dict[str, list[Source]], kept: dict[str, tuple[str, BlockScales]],
+                      to_ckpt: dict[str, str], shapes: dict[str, tuple]) -> None:
+    """Loading a model that keeps FP8 weights (``kept``: :func:`kept_scales`): their sources read the stored bytes,
+    and their scale buffers get sources of their own (``sources``, ``to_ckpt`` and ``shapes`` extended in place)."""
+    for weight, (scale, scales) in kept.items():
+        sources[scale] = []
+        for source, expanded, _ in scale_sources(sources.get(weight, []), scales):
+            stored = to_ckpt.get(source.key.removesuffix(SCALE_SUFFIX))
+            if stored is None:
+                continue  # the weight's own tensor is missing: the loader's checks name it
+            to_ckpt[source.key], shapes[source.key] = view.keep_fp8(stored, expanded)
+            sources[scale].append(source)

@@ -46,10 +46,11 @@ from transformers.core_model_loading import PrefixChange, revert_weight_conversi
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from ._compat import MODEL_IGNORE_ON_SAVE, MODEL_WEIGHT_CONVERSIONS, from_config
+from .agreement import agree, describe
 from .checkpoint import INDEX_FILE, SINGLE_FILE, ST_DTYPES
 from .conversions import model_keys, parameter_sources
 from .experts import GroupedExperts
-from .fp8 import SCALE_SUFFIX, kept_scales, scale_sources
+from .quantized import SCALE_SUFFIX, kept_scales, scale_sources
 from .sources import Axis, Box, Request, Source
 
 FILENAME_PATTERN = "model{suffix}.safetensors"
@@ -586,14 +587,8 @@ def _remove_stale(out: Path, files: set[str], sharded: bool) -> None:
 
 
 def _agree(error: BaseException | None, what: str) -> None:
-    """Rank 0's outcome, broadcast to every rank: raise :class:`SaveError` everywhere if it failed."""
-    message = f"{what}: {type(error).__name__}: {error}" if error is not None else None
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [message]
-        dist.broadcast_object_list(box, src=0)
-        message = box[0]
-    if message is not None:
-        raise SaveError(message) from error
+    """Raise :class:`SaveError` on every rank if any rank (the writing one) failed."""
+    agree(error, lambda failed: SaveError(f"{what}: {describe(failed)}"))
 
 
 def _can_generate(model: nn.Module) -> bool:

@@ -288,30 +288,34 @@ def local_during_forward(module: nn.Module, slots: list[tuple[dict, str]],
         return hit[1]
 
     def use_local(mod: nn.Module, args: tuple) -> None:
-        saved.append(_swap_in(tables(mod), to_local))
+        saved.append(swap_in(tables(mod), to_local))
 
     def restore(mod: nn.Module, args: tuple, out: Any) -> None:
         if saved:  # else an earlier pre-hook raised before use_local ran: nothing was swapped
-            _swap_back(saved.pop())
+            swap_back(saved.pop())
 
     module.register_forward_pre_hook(use_local)
     module.register_forward_hook(restore, always_call=True)
 
 
-def _swap_in(slots: list[tuple[dict, str]], to_local: Callable[[DTensor], torch.Tensor]
-             ) -> list[tuple[dict, str, DTensor, torch.Tensor]]:
-    """Put ``to_local(t)`` in every slot holding a DTensor ``t``; what :func:`_swap_back` needs to undo it."""
+def swap_in(slots: list[tuple[dict, str]], to_local: Callable[[Any], Any],
+            swaps: Callable[[Any], bool] = lambda t: isinstance(t, DTensor)) -> list[tuple[dict, str, Any, Any]]:
+    """Put ``to_local(t)`` in every slot (a module's ``_parameters``, ``_buffers`` or ``__dict__`` and a name)
+    holding a ``t`` that ``swaps`` (a DTensor); returns what :func:`swap_back` needs to undo it. The one mechanism
+    by which DTensor parameters appear as local tensors during a call (:func:`local_during_forward`,
+    :class:`LocalDuringCall`, the LoRA adapters of :mod:`hf_moe_tp.lora`)."""
     swapped = []
     for table, name in slots:
         t = table.get(name)
-        if isinstance(t, DTensor):
+        if swaps(t):
             table[name] = local = to_local(t)
             swapped.append((table, name, t, local))
     return swapped
 
 
-def _swap_back(swapped: list[tuple[dict, str, DTensor, torch.Tensor]]) -> None:
-    for table, name, t, local in swapped:
+def swap_back(swapped: list[tuple[dict, str, Any, Any]]) -> None:
+    """Undo :func:`swap_in`, last swap first."""
+    for table, name, t, local in reversed(swapped):
         # a slot someone else filled meanwhile keeps it: FSDP2 registers a layer's unsharded parameters in
         # its forward and leaves them there when it does not reshard after forward
         if table.get(name) is local:
@@ -333,11 +337,11 @@ class LocalDuringCall:
         return inspect.signature(getattr(type(self.module), self.method).__get__(self.module))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        swapped = _swap_in([(self.module._parameters, name) for name in self.names], DTensor.to_local)
+        swapped = swap_in([(self.module._parameters, name) for name in self.names], DTensor.to_local)
         try:
             return getattr(type(self.module), self.method)(self.module, *args, **kwargs)
         finally:
-            _swap_back(swapped)
+            swap_back(swapped)
 
 
 def sum_over_mesh(t: torch.Tensor, group) -> torch.Tensor:

@@ -28,3 +28,41 @@ def test_unit_colwise_splits_key_and_value_with_the_query():
     assert isinstance(plan["model.layers.0.self_attn.o_proj"], RowwiseParallel)
     plan = plans.tp_plan(model, 4)  # 2 key/value heads do not divide by 4: the whole attention stays replicated
     assert not any(name.startswith("model.layers.0.self_attn.") for name in plan)
+
+
+@pytest.fixture
+def fake_ranks():
+    """A process group of two ranks that communicate nothing (torch's ``fake`` backend), in this process."""
+    import torch.distributed as dist
+
+    from hf_moe_tp._compat import fake_store
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=fake_store())
+    yield
+    dist.destroy_process_group()
+
+
+def test_loss_parallel_plan_is_what_from_pretrained_applies(fake_ranks):
+    """``tp_plan(model, loss_parallel=True)`` through ``apply_plan`` installs what ``from_pretrained(loss_parallel=
+    True)`` does (its plan is the same call): a gathering ColumnParallel head that keeps the logits split in
+    training, and the split loss. Before, the plan route swapped in torch's ``ColwiseParallel(use_local_output=
+    False)``, which the split loss did not recognise: logits always split, the loss left to the caller."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_moe_tp.linear import ColumnParallel
+
+    mesh = init_device_mesh("cpu", (2,))
+    for loss_parallel in (False, True):
+        model = plans.meta_model(configs()["qwen3_moe"])
+        plan = plans.tp_plan(model, 2, loss_parallel=loss_parallel)
+        head = plan["lm_head"]
+        assert type(head) is ColumnParallel and head.keep_split_in_training == loss_parallel
+        plans.apply_plan(model, mesh, plan)
+        assert model.hf_moe_tp_split_loss  # the loss from split logits either way; loss_parallel keeps them split
+
+
+def test_loss_parallel_without_a_split_head_is_refused(fake_ranks):
+    config = configs()["qwen3_moe"]
+    config.tie_word_embeddings = True  # a tied head stays replicated
+    with pytest.raises(ValueError, match=r"loss_parallel=True needs the output projection \(lm_head\) split"):
+        plans.tp_plan(plans.meta_model(config), 2, loss_parallel=True)
