@@ -13,7 +13,10 @@ per layout, the bytes each rank read and received and the parameters it holds (b
 size), the sum of bytes read over the job, and the private-memory growth of the load against the rank's shard;
 beside dp_shard 2 x tp 2, the path before the final-shard loader (load at TP 2, then ``fully_shard``) and torch
 DCP's HF reader into DTensors of the checkpoint's own tensors placed the same way (FSDP's dim 0 over dp inside
-each TP shard), timed in the same rotation. Each figure is a second load in the same processes (the first pays imports).
+each TP shard), timed in the same rotation. Each figure is a second load in the same processes.
+
+Every loader's imports are done before its timer starts (``warm_imports``: ``import hf_moe_tp`` is lazy, and
+transformers imports a family's modeling code on first use); the figures time loads, not imports.
 
 Makes the checkpoint once (hub per-expert format written by save_pretrained, several shard files with an
 index), then loads it ``--repeats`` times with each loader, every load in fresh processes, the loaders
@@ -81,9 +84,21 @@ def memory_kib() -> tuple[int, int]:
     return fields["Anonymous"], fields["Rss"] - fields["Anonymous"] - fields.get("Pss_Shmem", 0)
 
 
+def warm_imports() -> None:
+    """Import, before any timing, what every loader's first call would import: the loads are timed, not the
+    imports (``import hf_moe_tp`` is lazy; transformers imports a family's modeling code on first use)."""
+    import importlib
+
+    for module in ("hf_moe_tp.pretrained", "transformers.models.mixtral.modeling_mixtral",
+                   "transformers.models.qwen3_moe.modeling_qwen3_moe", "torch.distributed.checkpoint",
+                   "transformers.integrations.finegrained_fp8"):
+        importlib.import_module(module)
+
+
 def measure(load) -> dict:
     """Wall time of ``load()``, and the peak growth of private and of file-backed memory while it runs,
     sampled every 10 ms (the loaded model is kept until the sampling ends, so its memory counts)."""
+    warm_imports()
     base_anon, base_file = memory_kib()
     peak = [0, 0]
     done = threading.Event()

@@ -20,12 +20,15 @@ _EXPORTS = {
     "TensorParallel": "styles",
     "apply_plan": "plans",
     "data_parallel_rank": "meshes",
+    "expert_load": "load_balance",
     "from_pretrained": "pretrained",
     "grouped_mm": "grouped_matmul",
     "install": "install",
     "load_checkpoint": "loading",
+    "load_summary": "load_balance",
     "save_pretrained": "saving",
     "tp_plan": "plans",
+    "track_expert_load": "load_balance",
     "uninstall": "install",
 }
 
@@ -39,12 +42,15 @@ __all__ = [
     "TensorParallel",
     "apply_plan",
     "data_parallel_rank",
+    "expert_load",
     "from_pretrained",
     "grouped_mm",
     "install",
     "load_checkpoint",
+    "load_summary",
     "save_pretrained",
     "tp_plan",
+    "track_expert_load",
     "uninstall",
 ]
 __version__ = "0.1.0"
@@ -73,6 +79,7 @@ if TYPE_CHECKING:
     from .experts import ExpertActivation, GroupedExperts
     from .grouped_matmul import grouped_mm
     from .install import install, uninstall
+    from .load_balance import expert_load, load_summary, track_expert_load
     from .loading import LoadReport, load_checkpoint
     from .meshes import data_parallel_rank
     from .plans import apply_plan, tp_plan

@@ -10,6 +10,7 @@ long-standing module protocol and are used directly.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -45,6 +46,9 @@ PRIVATE: dict[str, Private] = {p.path: p for p in (
     Private("torch", "torch.distributed.distributed_c10d:_get_default_store", TORCH,
             "ranks that report a failed collective (CollectiveFailure names the others)",
             "without it: the failure is raised without naming the missing ranks"),
+    Private("torch", "torch._C:_current_graph_task_id", TORCH,
+            "a forward recomputed for the backward (activation checkpointing) does not count expert load twice",
+            "without it: recomputed forwards count again"),
     Private("transformers", "transformers.integrations.moe:_default_apply_gate", TRANSFORMERS,
             "whether an expert class gates as transformers' default (else its own gate is used)"),
     Private("transformers", "transformers.distributed.parallel_utils:ALL_PARALLEL_STYLES._global_mapping",
@@ -133,6 +137,20 @@ def strided_shard(dim: int, split_factor: int):
 def fake_store():
     """A store for torch's ``"fake"`` backend (no communication, no processes)."""
     return resolve("torch.testing._internal.distributed.fake_pg:FakeStore")()
+
+
+def in_backward() -> bool:
+    """Whether autograd's backward is running on this thread (a recomputed forward runs there)."""
+    task = _graph_task_id()
+    return task is not None and task() != -1
+
+
+@functools.cache
+def _graph_task_id() -> Any:
+    try:
+        return resolve("torch._C:_current_graph_task_id")
+    except MissingPrivate:
+        return None
 
 
 def root_mesh(mesh):

@@ -27,6 +27,7 @@ from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
 from .hf_plan import entries, heads_divide, matches
 from .linear import ColumnParallel, RowParallel
+from .load_balance import track_expert_load
 from .loss import split_loss
 from .styles import (
     LocalDuringCall,
@@ -232,7 +233,8 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
     as a plain tensor. ``ExpertParallel`` entries go on ``ep_mesh`` when given (a 2-D ``(ep, tp)`` mesh whose
     ``tp`` dimension is ``mesh``), on ``mesh`` otherwise. Where the output projection is split over the
     vocabulary, forwards with labels take the loss from the split logits (:func:`hf_moe_tp.loss.split_loss`;
-    ``model.hf_moe_tp_split_loss`` says whether). Switches on the integrations with accelerate, PEFT and the
+    ``model.hf_moe_tp_split_loss`` says whether). Every GroupedExperts counts its tokens
+    (:func:`hf_moe_tp.expert_load`). Switches on the integrations with accelerate, PEFT and the
     Trainer (:mod:`hf_moe_tp.integration`)."""
     from .integration import enable
 
@@ -273,6 +275,7 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
                 if names and callable(getattr(type(module), method, None)):
                     setattr(module, method, LocalDuringCall(module, method, names))
     model.hf_moe_tp_split_loss = split_loss(model, every)
+    track_expert_load(model)
     return model
 
 

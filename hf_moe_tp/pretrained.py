@@ -21,6 +21,7 @@ from .fp8 import keep_fp8_weights, place_scales
 from .fsdp import divide_expert_gradients, shard_data_parallel
 from .hf_arguments import refuse, resolve
 from .input_check import check_inputs_on, check_mode
+from .load_balance import balance_experts
 from .loading import load_checkpoint
 from .meshes import init_process_group, mesh_device, resolve_layout
 from .randomness import generate_on_leader_state, same_draws_in_training
@@ -50,6 +51,7 @@ def from_pretrained(
     timeout: float | None = None,
     keep_quantized: bool = False,
     read_once: bool | None = None,
+    expert_bias_update_rate: float | None = None,
     **hf_kwargs: Any,
 ) -> PreTrainedModel:
     """Load a Hugging Face MoE model tensor-parallel over ``device_mesh`` (or all ranks).
@@ -112,6 +114,11 @@ def from_pretrained(
     than one node (torchrun's ``LOCAL_WORLD_SIZE`` below ``WORLD_SIZE``), where replicas read through a shared
     filesystem; off on one node, where the page cache serves every replica (bench/load.py measures both).
     ``True`` without a ``dp_replicate`` dimension is refused.
+
+    ``expert_bias_update_rate``: auxiliary-loss-free balancing (DeepSeek-V3's rule) for families whose router has a
+    score-correction bias (``e_score_correction_bias``): after every optimizer step over the model's parameters,
+    each bias moves by ``rate * sign(mean load - expert load)`` (:func:`hf_moe_tp.load_balance.balance_experts`;
+    DeepSeek-V3 used 0.001). Refused for a model without such a bias.
 
     With FSDP2, the model takes its final layout on the meta device (plan, then ``fully_shard``) before any byte
     is read, and each rank reads exactly the box of each parameter it holds: FSDP's shard of its TP shard.
@@ -188,6 +195,8 @@ def from_pretrained(
             model.generation_config = GenerationConfig.from_pretrained(path)
         if layout.dp is not None:
             divide_expert_gradients(model)
+        if expert_bias_update_rate is not None:
+            balance_experts(model, expert_bias_update_rate)
         bind_save_pretrained(model)
         declare_layout(model, layout)  # to transformers' Trainer and accelerate
         explain_collective_failures(model, [mesh, ep_mesh, layout.dp], timeout)

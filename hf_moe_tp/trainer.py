@@ -19,6 +19,8 @@ What the Trainer gets wrong for such models is mended here, for hf_moe_tp models
 - Predictions: accelerate's ``gather_for_metrics`` takes every rank's copy of a batch, so a TP group would
   return each row tp times; the Trainer's evaluation loop gathers one copy per TP group instead.
 - A layout whose data-parallel ranks would not average their gradients under the Trainer is refused.
+- Expert load: a callback first in the Trainer's list adds the MoE layers' balance to every training log
+  (:func:`expert_load_callback`), so TensorBoard and the other ``report_to`` loggers show it.
 - Speed: a training step whose outputs nobody reads (``compute_loss`` returning the loss alone, with the
   model's own loss) keeps the logits split (:func:`hf_moe_tp.loss.loss_only`), skipping their all-gather.
 
@@ -48,6 +50,8 @@ from ._compat import (
     TRAINER_LOAD_OPTIMIZER,
     TRAINER_SAVE_OPTIMIZER,
 )
+from .load_balance import STATE as EXPERT_LOAD_STATE
+from .load_balance import expert_load, load_summary
 from .loss import loss_only
 from .meshes import Layout
 
@@ -211,6 +215,8 @@ def _patch_trainer() -> None:
             raise ValueError(f"{wrapper[0]} (TrainingArguments or the accelerate config) with an hf_moe_tp model, "
                              f"which is sharded already: leave it unset; FSDP2 comes with from_pretrained(fsdp_size=)")
         trainer.hf_moe_tp_gather = _gather_once_per_tp_group(trainer, model)
+        if any(hasattr(m, EXPERT_LOAD_STATE) for m in model.modules()):  # first: the loggers see what it adds
+            trainer.callback_handler.callbacks.insert(0, expert_load_callback()())
 
     patch("__init__", init, model_of=lambda self, model=None, *args, **kwargs: model)
     patch(TRAINER_SAVE_OPTIMIZER, _save_optimizer_and_scheduler)
@@ -219,6 +225,31 @@ def _patch_trainer() -> None:
     patch(TRAINER_LOAD_BEST, _load_best_model)
     patch("evaluation_loop", _evaluation_loop)
     patch("compute_loss", _compute_loss)
+
+
+@functools.cache
+def expert_load_callback() -> type:
+    """The ``TrainerCallback`` class the Trainer gets first for hf_moe_tp MoE models (made on first use: importing
+    transformers' callbacks costs half a second)."""
+    from transformers import TrainerCallback
+
+    class ExpertLoadCallback(TrainerCallback):
+        """Adds the MoE layers' balance over the tokens routed since the last training log
+        (:func:`hf_moe_tp.load_summary`, the worst layer's: ``moe/max_over_mean``, ``moe/idle_fraction``,
+        ``moe/cv``) to each training log, before the ``report_to`` loggers write it. Every rank reads the counts
+        (one all-reduce), as every rank runs the Trainer's logging step."""
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, model: Any = None,
+                   **kwargs: Any) -> None:
+            if logs is None or "loss" not in logs or model is None:
+                return
+            summary = load_summary(expert_load(model, reset=True))
+            metrics = {f"moe/{name}": round(value, 4) for name, value in summary.items()}
+            logs.update(metrics)
+            if state.log_history and state.log_history[-1].get("loss") == logs["loss"]:
+                state.log_history[-1].update(metrics)  # the Trainer appended its copy before the callbacks ran
+
+    return ExpertLoadCallback
 
 
 def _gather_once_per_tp_group(trainer: Any, model: nn.Module) -> Callable | None:
