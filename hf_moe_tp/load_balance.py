@@ -4,7 +4,8 @@ Each :class:`~hf_moe_tp.GroupedExperts` counts the expert ids it is given, in a 
 the parallel style's (so it sees this rank's tokens with their global expert ids, before any dispatch), into a
 tensor on the tokens' device: no host sync in the step. Padding tokens (``attention_mask`` 0 in the model's
 forward) are not counted, as transformers leaves them out of its auxiliary loss. A recomputed forward (activation
-checkpointing) is not counted twice.
+checkpointing) is not counted twice. Forwards compiled with ``torch.compile`` (transformers' compiled decoding) are
+not counted.
 
 Reading (:func:`expert_load`) is the only sync: one all-reduce of the counts over the job, divided by how many
 ranks hold each batch (the TP ranks of a batch all see its tokens; data-parallel ranks and an ``(ep, tp)`` mesh's
@@ -44,6 +45,7 @@ def track_expert_load(model: nn.Module) -> None:
     :func:`hf_moe_tp.apply_plan` calls it for every model it places)."""
     if getattr(model, STATE, False):
         return
+    in_backward()  # resolves torch's private function now, not inside a compiled forward
     setattr(model, STATE, True)
     model.register_forward_pre_hook(_remember_mask, with_kwargs=True)
     model.register_forward_hook(_forget_mask, always_call=True)
@@ -150,7 +152,8 @@ def _forget_mask(model: nn.Module, args: tuple, out: object) -> None:
 def _counter(model: nn.Module):
     def count(module: GroupedExperts, args: tuple, kwargs: dict) -> None:
         index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
-        if index is None or in_backward():  # a forward recomputed for the backward counted the first time
+        if index is None or torch.compiler.is_compiling() or in_backward():  # compiled: not counted (see below);
+            # recomputed for the backward: counted the first time
             return
         index = index.to_local() if hasattr(index, "to_local") else index
         c: _Counts = getattr(module, STATE)

@@ -118,17 +118,24 @@ def test_from_pretrained_loss(ranks, tmp_path, world, loss_parallel):
 
 
 def _tied_loss(path: str):
-    model = hf_moe_tp.from_pretrained(path, loss_parallel=True)
+    try:
+        hf_moe_tp.from_pretrained(path, loss_parallel=True)
+        refused = None
+    except hf_moe_tp.pretrained.LoadError as e:
+        refused = str(e)
+    model = hf_moe_tp.from_pretrained(path)
     ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     out = model(ids, labels=ids)
-    return isinstance(out.logits, DTensor), abs(out.loss.item() - ref(ids, labels=ids).loss.item())
+    return refused, isinstance(out.logits, DTensor), abs(out.loss.item() - ref(ids, labels=ids).loss.item())
 
 
 def test_whole_head_falls_back(ranks, tmp_path):
-    """A tied (replicated) lm_head gives whole logits: transformers' own loss, the same number."""
+    """A tied (replicated) lm_head gives whole logits: transformers' own loss, the same number; loss_parallel=True,
+    which it cannot honour, is refused by name on every rank (it had been ignored)."""
     path = save_family("qwen3_moe", tmp_path, tied=True)
-    for split, diff in ranks(2).run(_tied_loss, str(path)):
+    for refused, split, diff in ranks(2).run(_tied_loss, str(path)):
+        assert "loss_parallel=True needs the output projection (lm_head) split" in (refused or ""), refused
         assert not split and diff <= 2e-5, (split, diff)
 
 
