@@ -16,11 +16,15 @@ DCP's HF reader into DTensors of the checkpoint's own tensors placed the same wa
 each TP shard), timed in the same rotation. Each figure is a second load in the same processes.
 
 Every loader's imports are done before its timer starts (``warm_imports``: ``import hf_moe_tp`` is lazy, and
-transformers imports a family's modeling code on first use); the figures time loads, not imports.
+transformers imports a family's modeling code on first use), and so is transformers' checkpoint-conversion table,
+which it builds for every family on first use (about 0.45 s here, once per process, paid by transformers' own
+loader as much as ours); the figures time loads, not start-up. Ranks run in torchrun's environment
+(``OMP_NUM_THREADS=1``, default malloc), as users run them.
 
 Makes the checkpoint once (hub per-expert format written by save_pretrained, several shard files with an
 index), then loads it ``--repeats`` times with each loader, every load in fresh processes, the loaders
-interleaved. Per rank it prints the median wall time, peak resident memory, the peak growth of private
+interleaved. Per rank it prints the median wall time (for ours also the checkpoint pass alone, ``read s``: the
+rest builds the meta model and applies the plan), peak resident memory, the peak growth of private
 (anonymous) memory and of file-backed resident pages (checkpoint pages mapped and touched) while loading,
 sampled every 10 ms, each against the checkpoint's size, and the ratios to the references. The page cache
 is warm after the first load. DCP reads the same per-rank boxes of the checkpoint's own tensors (expert
@@ -40,6 +44,7 @@ import time
 from pathlib import Path
 
 import torch
+from allocator import user_env
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
 from hf_moe_tp.launch import run_on_ranks
@@ -93,6 +98,9 @@ def warm_imports() -> None:
                    "transformers.models.qwen3_moe.modeling_qwen3_moe", "torch.distributed.checkpoint",
                    "transformers.integrations.finegrained_fp8"):
         importlib.import_module(module)
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    get_checkpoint_conversion_mapping("mixtral")  # builds every family's table once per process
 
 
 def measure(load) -> dict:
@@ -119,9 +127,11 @@ def measure(load) -> dict:
     sampler.join()
     anon, file = memory_kib()
     peak[0], peak[1] = max(peak[0], anon - base_anon), max(peak[1], file - base_file)
+    report = getattr(model, "hf_moe_tp_load", None)  # ours: the checkpoint pass alone, without building the model
     del model
     return {
         "wall_s": wall,
+        "read_s": report.seconds if report is not None else float("nan"),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "anon_growth_mib": peak[0] / 1024,
         "file_pages_mib": peak[1] / 1024,
@@ -172,10 +182,12 @@ def load_dcp(path: str, dp: int = 1) -> dict:
     index = json.loads((Path(path) / "model.safetensors.index.json").read_text())["weight_map"]
     from safetensors import safe_open
 
-    shapes = {}
+    shapes, dtypes = {}, {}
     for file in set(index.values()):
         with safe_open(Path(path) / file, "pt") as f:
             shapes.update({k: f.get_slice(k).get_shape() for k in f.keys()})
+            dtypes.update({k: f.get_slice(k).get_dtype() for k in f.keys()})
+    as_torch = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
     def placement(key: str):
         if key.endswith(("w1.weight", "w3.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight",
@@ -186,7 +198,8 @@ def load_dcp(path: str, dp: int = 1) -> dict:
         return Replicate()
 
     def load():
-        state = {k: dtensor_empty(*shape, device_mesh=mesh, placements=([Shard(0)] if dp > 1 else []) + [placement(k)])
+        state = {k: dtensor_empty(*shape, dtype=as_torch[dtypes[k]], device_mesh=mesh,
+                                  placements=([Shard(0)] if dp > 1 else []) + [placement(k)])
                  for k, shape in shapes.items()}
         dcp.load(state, storage_reader=HuggingFaceStorageReader(path))
         return state, sum(t.to_local().numel() * t.element_size() for t in state.values())
@@ -364,11 +377,12 @@ def run_table(loaders: dict, path: Path, size: int, tp: int, repeats: int, what:
             runs[name].append(run_on_ranks(fn, tp, str(path), timeout=900))
     medians = {name: [{k: statistics.median(run[rank][k] for run in rs) for k in rs[0][rank]}
                       for rank in range(tp)] for name, rs in runs.items()}
-    print(f"{'loader':<29} {'rank':>4} {'wall s':>7} {'peak RSS MiB':>13} {'peak private growth MiB':>24} "
-          f"{'of ckpt':>8} {'file pages MiB':>15} {'of file':>8} {'params MiB':>11}")
+    print(f"{'loader':<29} {'rank':>4} {'wall s':>7} {'read s':>7} {'peak RSS MiB':>13} "
+          f"{'peak private growth MiB':>24} {'of ckpt':>8} {'file pages MiB':>15} {'of file':>8} {'params MiB':>11}")
     for name, ranks in medians.items():
         for rank, m in enumerate(ranks):
-            print(f"{name:<29} {rank:>4} {m['wall_s']:>7.2f} {m['peak_rss_mib']:>13.0f} {m['anon_growth_mib']:>24.0f} "
+            print(f"{name:<29} {rank:>4} {m['wall_s']:>7.2f} {m['read_s']:>7.2f} {m['peak_rss_mib']:>13.0f} "
+                  f"{m['anon_growth_mib']:>24.0f} "
                   f"{m['anon_growth_mib'] * 2**20 / size:>8.2f} {m['file_pages_mib']:>15.0f} "
                   f"{m['file_pages_mib'] * 2**20 / size:>8.2f} {m['local_param_mib']:>11.0f}")
     names = list(medians)
@@ -393,6 +407,7 @@ def main() -> None:
     p.add_argument("--dir", type=Path, default=Path.home() / ".cache/hf_moe_tp/bench-mixtral-1.5g")
     p.add_argument("--fp8-dir", type=Path, default=Path.home() / ".cache/hf_moe_tp/bench-qwen3-moe-fp8")
     args = p.parse_args()
+    print(user_env(pin=False))
     if args.only == "layouts":
         run_layouts(args.dir, make_checkpoint(args.dir), args.repeats)
         return

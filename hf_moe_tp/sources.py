@@ -67,9 +67,9 @@ class Request:
         if list(self.perm) != sorted(self.perm) and _memory_order(view) != _memory_order(dst):
             # A transposing copy straight from the file's memory map touches its pages out of order (measured
             # 16 ms per 3 MB expert slice); reading the slice in file order first, then transposing in RAM,
-            # takes under 2 ms. Weights stored in the checkpoint's orientation (GroupedExperts' column_major)
-            # skip this: a plain copy, about 0.5 ms. On an accelerator the bytes go over in file order and the
-            # device transposes (torch's cross-device copy would make the host transpose first).
+            # takes under 2 ms. Weights stored in the checkpoint's orientation (GroupedExperts' (E, out, in)
+            # from (out, in) checkpoints) skip this: a plain copy, about 0.5 ms. On an accelerator the bytes go
+            # over in file order and the device transposes (a cross-device copy would transpose on the host).
             view = self._arrange(_in_file_order(tensor, dst.dtype).to(dst.device))
             if dst.dim() > 2 and view.shape == dst.shape:
                 # torch's blocked transposing copy takes only 2-D tensors: a per-expert slice (1, dim, hidden)
