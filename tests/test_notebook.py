@@ -25,9 +25,11 @@ def test_quickstart_notebook(tmp_path, monkeypatch):
     # one image through the vision-language MoE: its own class, logits and greedy tokens as one process
     assert "Qwen3VLMoeForConditionalGeneration -> with the image:" in text
     assert "IMAGE MATCH" in text and "IMAGE MISMATCH" not in text
+    # expert load over the fine-tune's steps: every step's counts sum to its routed pairs, the same on both ranks
+    assert "EXPERT LOAD EXACT" in text and "EXPERT LOAD WRONG" not in text
     images = [out for cell in nb.cells for out in cell.get("outputs", []) if "image/png" in out.get("data", {})]
-    assert len(images) == 3  # the made-up image, the memory plot and the loss curves
-    for plot in ("image.png", "memory.png", "loss.png"):
+    assert len(images) == 4  # the made-up image, the memory plot, the loss curves and the expert-load heat map
+    for plot in ("image.png", "memory.png", "loss.png", "expert_load.png"):
         assert (tmp_path / plot).is_file() and os.path.getsize(tmp_path / plot) > 1000
 
 
