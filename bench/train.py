@@ -64,8 +64,9 @@ TP=4 over the 4 ranks, every rank the whole batch: transformers' FSDP2 x TP layo
 losses drift from one process's after the first update): it is timed all the same, the first step (B = 0)
 agrees and later steps' losses are printed, not checked.
 
-Ranks run with glibc's malloc thresholds pinned (bench/allocator.py; ``--system-malloc`` keeps the defaults),
-so freed activations are reused instead of re-faulted, for every variant alike.
+Ranks run in torchrun's environment (``OMP_NUM_THREADS=1``) with glibc's malloc thresholds pinned
+(bench/allocator.py; ``--system-malloc`` keeps the defaults), so freed activations are reused instead of
+re-faulted, for every variant alike.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ import sys
 from pathlib import Path
 
 import torch
-from allocator import pin_malloc
+from allocator import user_env
 from collectives import rotated_medians
 from load import CONFIG
 
@@ -201,16 +202,17 @@ def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int, l
     if lora:
         models = lora_models(path, dtype)
     else:
-        models = {OURS: hf_moe_tp.from_pretrained(path, fsdp_size=DP, dtype=dtype)}
-        if loss_parallel:
-            models[OURS_LP] = hf_moe_tp.from_pretrained(path, fsdp_size=DP, dtype=dtype, loss_parallel=True)
-        if trainer:
-            models[OURS_TRAINER] = hf_moe_tp.from_pretrained(path, fsdp_size=DP, dtype=dtype)
+        models = {}
         if uncounted:
             from unittest import mock
 
             with mock.patch("hf_moe_tp.plans.track_expert_load", lambda model: None):
                 models[OURS_UNCOUNTED] = hf_moe_tp.from_pretrained(path, fsdp_size=DP, dtype=dtype)
+        models[OURS] = hf_moe_tp.from_pretrained(path, fsdp_size=DP, dtype=dtype)
+        if loss_parallel:
+            models[OURS_LP] = hf_moe_tp.from_pretrained(path, fsdp_size=DP, dtype=dtype, loss_parallel=True)
+        if trainer:
+            models[OURS_TRAINER] = hf_moe_tp.from_pretrained(path, fsdp_size=DP, dtype=dtype)
         config = DistributedConfig(tp_size=TP, fsdp_size=DP)
         models[NATIVE] = AutoModelForCausalLM.from_pretrained(path, distributed_config=config, dtype=dtype)
 
@@ -305,10 +307,10 @@ def main() -> None:
     path = args.dir or default_dir(args.layers)
     if args.batch % DP:
         raise SystemExit(f"--batch {args.batch} must split over {DP} replicas")
-    if not (path / "config.json").is_file():  # before pin_malloc's re-run, which hands this memory back
+    if not (path / "config.json").is_file():  # before user_env's re-run, which hands this memory back
         print(f"making {path} ...", file=sys.stderr)
         make_checkpoint(path, args.layers)
-    malloc = pin_malloc(args.system_malloc)
+    malloc = user_env(pin=not args.system_malloc)
     layout = f"tp {WORLD}, LoRA r=16 on {'/'.join(LORA_TARGETS)}" if args.lora else f"dp {DP} x tp {TP}"
     print(f"{path.name}: Mixtral-shaped, {args.layers} layers; {layout} on {WORLD} gloo ranks; global batch "
           f"{args.batch} x {args.seq} tokens; AdamW + clip_grad_norm_; median of {args.repeats}; {malloc}")
