@@ -5,13 +5,21 @@ torch nor transformers; ``from hf_moe_tp import from_pretrained`` imports what t
 
 Layout (each subpackage's ``__init__`` says what it owns and may import): ``runtime`` < ``parallel`` <
 ``checkpoint`` < ``integrations`` < ``cli``, with :mod:`.pretrained` above ``integrations`` and :mod:`._compat`
-(other libraries' private symbols) beside them all.
+(other libraries' private symbols) beside them all. The module paths before the subpackages
+(``hf_moe_tp.plans``, ...) still import, with a ``FutureWarning``, for one release (:mod:`._moved`).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from . import _moved
+
+# The old module paths (hf_moe_tp.plans -> hf_moe_tp.parallel.plans, ...): a finder first on sys.meta_path
+# (once per process) that answers for those names under hf_moe_tp and returns None for every other import, so
+# it changes how no other package imports.
+_moved.install()
 
 # public name -> the module that defines it
 _EXPORTS = {
@@ -62,6 +70,10 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
+    if module is None and name in _moved.MOVED:  # an old module path (hf_moe_tp.loading): warns
+        value = _moved.load(name, stacklevel=2)
+        globals()[name] = value
+        return value
     if module is None:  # a subpackage (``hf_moe_tp.parallel``), as the eager package gave it after import
         try:
             return importlib.import_module(f".{name}", __name__)
