@@ -1,4 +1,4 @@
-"""LoRA through PEFT on the tensor-parallel model (hf_moe_tp/integrations/lora.py): the same training as one process,
+"""LoRA through PEFT on the tensor-parallel model (hf_moe_tp/integrations/lora/): the same training as one process,
 the adapters placed like their base layers, saved in PEFT's format, merged into a hub checkpoint; refusals."""
 
 from __future__ import annotations
