@@ -1,5 +1,7 @@
 """Quantized checkpoints read as the tensors they stand for: FP8 block-scaled and MXFP4, dequantized on read.
 
+(Over 400 lines on purpose: the refusals, the stored formats and the loader's view of them form one read path.)
+
 The loader's one pass (checkpoint key -> source -> the rank's box -> copy) is unchanged: a quantized weight is
 seen as its dequantized tensor (:class:`CheckpointView`), the family's sources map it onto parameters as they
 would a plain tensor, and its sources become :class:`QuantizedSource`, whose requests read only the quantized

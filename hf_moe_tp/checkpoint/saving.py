@@ -1,5 +1,7 @@
 """Save a (sharded) model in the on-disk format transformers' own ``save_pretrained`` writes for its family.
 
+(Over 400 lines on purpose: the save plan, the gathers and the streaming writer share private types and one order.)
+
 The key set, order and shapes come from transformers itself: a meta-device copy of the model's class is put
 through transformers' save steps (ignored keys dropped, tied weights removed, weight conversions reverted), so
 the files hold exactly the keys transformers would write (per-expert keys for Mixtral, Qwen-MoE, OLMoE,

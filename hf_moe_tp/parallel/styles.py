@@ -1,5 +1,7 @@
 """Parallel styles for MoE layers: ``TensorParallel`` for GroupedExperts, ``NoParallel`` for routers.
 
+(Over 400 lines on purpose: the styles and the local-compute helpers they, linear.py and lora/ share are one unit.)
+
 Both are ``torch.distributed.tensor.parallel.ParallelStyle``s, so ``parallelize_module`` applies them:
 
     parallelize_module(moe_block, tp_mesh, {"experts": TensorParallel(), "gate": NoParallel()})
