@@ -21,7 +21,7 @@ import torch
 from allocator import pin_malloc
 from collectives import rotated_medians
 
-from hf_moe_tp.launch import run_on_ranks
+from hf_moe_tp.runtime.launch import run_on_ranks
 
 DEFAULT_DIR = Path.home() / ".cache/hf_moe_tp/bench-mixtral-1.5g"
 
@@ -30,8 +30,8 @@ def bench_rank(path: str, repeats: int) -> dict:
     import torch.distributed as dist
 
     import hf_moe_tp
-    from hf_moe_tp.input_check import compare_across
-    from hf_moe_tp.randomness import restore_state, share_leader_state
+    from hf_moe_tp.parallel.input_check import compare_across
+    from hf_moe_tp.parallel.randomness import restore_state, share_leader_state
 
     checked = hf_moe_tp.from_pretrained(path, check_inputs="always")
     plain = hf_moe_tp.from_pretrained(path, check_inputs="never")

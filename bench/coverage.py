@@ -100,7 +100,7 @@ def run_family(pool, family: Family, root: Path, timeout: float, native: bool = 
 
 def run_matrix(names: list[str] | None = None, *, timeout: float = 180.0, native: bool = True,
                loss_parallel: bool = False, multimodal: bool = True, log=print) -> list[Result]:
-    from hf_moe_tp.launch import RankPool
+    from hf_moe_tp.runtime.launch import RankPool
 
     families = discover()
     if names:

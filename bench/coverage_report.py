@@ -37,7 +37,7 @@ class Result:
 
 # Why a family still fails, where the error alone does not say (shown after the error in docs/models.md).
 NOTES = {
-    "dots3_note": "hf_moe_tp.hf_plan.heads_divide reads num_attention_heads from the whole config, which a "
+    "dots3_note": "hf_moe_tp.parallel.hf_plan.heads_divide reads num_attention_heads from the whole config, which a "
                   "heterogeneous config (per-layer SWA attention sizes) refuses; it needs to check each layer's "
                   "config (config.per_layer_config)",
 }

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from collectives import count_bytes, median_time
 
-from hf_moe_tp.launch import run_on_ranks
+from hf_moe_tp.runtime.launch import run_on_ranks
 
 DEFAULT_DIR = Path.home() / ".cache/hf_moe_tp/bench-qwen3-ep"
 WAYS = ("hf_moe_tp EP=2", "hf_moe_tp TP=2", "transformers ep_size=2")

@@ -27,7 +27,7 @@ import torch
 from allocator import user_env
 from collectives import count_bytes, rotated_medians
 
-from hf_moe_tp.launch import run_on_ranks
+from hf_moe_tp.runtime.launch import run_on_ranks
 
 DEFAULT_DIR = Path.home() / ".cache/hf_moe_tp/bench-mixtral-1.5g"
 

@@ -23,11 +23,11 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import DeepseekV3Config
 
-from hf_moe_tp import plans
 from hf_moe_tp.checkpoint import TensorInfo
-from hf_moe_tp.fp8 import keep_fp8_weights, place_scales
-from hf_moe_tp.quantized import CheckpointView, Fp8Weight, Quantization
-from hf_moe_tp.saving import _transformers_keys
+from hf_moe_tp.checkpoint.fp8 import keep_fp8_weights, place_scales
+from hf_moe_tp.checkpoint.quantized import CheckpointView, Fp8Weight, Quantization
+from hf_moe_tp.checkpoint.saving import _transformers_keys
+from hf_moe_tp.parallel import plans
 
 BLOCK = (128, 128)
 UNQUANTIZED = re.compile(r"(norm\.weight|mlp\.gate\.weight)$")  # as on the hub: norms and routers stay bf16

@@ -24,7 +24,7 @@ from allocator import user_env
 from collectives import count_bytes, rotated_medians
 from load import make_checkpoint
 
-from hf_moe_tp.launch import run_on_ranks
+from hf_moe_tp.runtime.launch import run_on_ranks
 
 DEFAULT_DIR = Path.home() / ".cache/hf_moe_tp/bench-mixtral-1.5g"
 VARIANTS = ("hf_moe_tp", "transformers tp_plan=auto", "hf_moe_tp ep_size=2", "transformers ep_size=2")

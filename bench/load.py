@@ -51,7 +51,7 @@ import torch
 from allocator import user_env
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
-from hf_moe_tp.launch import run_on_ranks
+from hf_moe_tp.runtime.launch import run_on_ranks
 
 CONFIG = dict(hidden_size=1024, intermediate_size=1536, num_local_experts=16, num_experts_per_tok=2,
               num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
@@ -316,7 +316,7 @@ def load_tp_then_shard(path: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import hf_moe_tp
-    from hf_moe_tp.fsdp import shard_data_parallel
+    from hf_moe_tp.parallel.fsdp import shard_data_parallel
 
     def load():
         mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))

@@ -17,10 +17,10 @@ and then timed in rotation:
   the first then gathers them for its outputs);
 - with ``--trainer``, ``hf_moe_tp Trainer.training_step``: the default model stepped by transformers' Trainer
   (its ``training_step``: forward and backward through ``compute_loss``, where the logits stay split since only
-  the loss is read, hf_moe_tp.trainer) and then the same clip and AdamW step;
+  the loss is read, hf_moe_tp.integrations.trainer) and then the same clip and AdamW step;
 - with ``--expert-load``, ``hf_moe_tp no expert-load counting``: the default model without the per-expert token
-  counters every placed model keeps (hf_moe_tp.load_balance; ``apply_plan`` patched not to install them), for the
-  counters' cost beside the default row;
+  counters every placed model keeps (hf_moe_tp.parallel.load_balance; ``apply_plan`` patched not to install them), for
+  the counters' cost beside the default row;
 - ``transformers fsdp2 x tp2``: ``AutoModelForCausalLM.from_pretrained(path,
   distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))`` with hf_moe_tp not installed: transformers' own
   TP styles and experts (``grouped_mm``), its own ``fully_shard`` plan. Its mesh is ``model._mesh_manager``, a
@@ -58,9 +58,9 @@ freed memory stays with the process for reuse; the processes' VmHWM over the who
 
 ``--lora`` times LoRA fine-tuning instead (PEFT ``get_peft_model``, ``LoraConfig(r=16)`` on q/k/v/o_proj, AdamW
 on the adapters only, the same clip): ``hf_moe_tp lora`` (``from_pretrained(path)``: TP=4, adapters placed by
-hf_moe_tp.lora) against ``transformers tp4 lora`` (``DistributedConfig(tp_size=4)`` and PEFT's own TP hooks), on
-TP=4 over the 4 ranks, every rank the whole batch: transformers' FSDP2 x TP layout with PEFT fails in its forward
-(a view of the wrong size), so the LoRA rows use plain TP. transformers' LoRA trains wrongly (issue 21: its
+hf_moe_tp.integrations.lora) against ``transformers tp4 lora`` (``DistributedConfig(tp_size=4)`` and PEFT's own TP
+hooks), on TP=4 over the 4 ranks, every rank the whole batch: transformers' FSDP2 x TP layout with PEFT fails in its
+forward (a view of the wrong size), so the LoRA rows use plain TP. transformers' LoRA trains wrongly (issue 21: its
 losses drift from one process's after the first update): it is timed all the same, the first step (B = 0)
 agrees and later steps' losses are printed, not checked.
 
@@ -80,7 +80,7 @@ from allocator import user_env
 from collectives import rotated_medians
 from load import CONFIG
 
-from hf_moe_tp.launch import run_on_ranks
+from hf_moe_tp.runtime.launch import run_on_ranks
 
 WORLD, TP, DP = 4, 2, 2
 OURS, OURS_LP, NATIVE = "hf_moe_tp", "hf_moe_tp loss_parallel", "transformers fsdp2 x tp2"
@@ -194,7 +194,7 @@ def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int, l
     from transformers.distributed import DistributedConfig
 
     import hf_moe_tp
-    from hf_moe_tp.install import installed
+    from hf_moe_tp.integrations.install import installed
 
     hf_moe_tp.uninstall()  # transformers' own loader for its row (a fresh rank never installed it)
     assert not installed()
@@ -206,7 +206,7 @@ def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int, l
         if uncounted:
             from unittest import mock
 
-            with mock.patch("hf_moe_tp.plans.track_expert_load", lambda model: None):
+            with mock.patch("hf_moe_tp.parallel.plans.track_expert_load", lambda model: None):
                 models[OURS_UNCOUNTED] = hf_moe_tp.from_pretrained(path, fsdp_size=DP, dtype=dtype)
         models[OURS] = hf_moe_tp.from_pretrained(path, fsdp_size=DP, dtype=dtype)
         if loss_parallel:

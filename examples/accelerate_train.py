@@ -18,7 +18,7 @@ import hf_moe_tp
 
 def main() -> None:
     # accelerate refuses a ParallelismConfig on CPU processes; install() switches on hf_moe_tp's integrations, among
-    # them one that lets it (hf_moe_tp.integration; import hf_moe_tp alone changes no other library)
+    # them one that lets it (hf_moe_tp.integrations.switch; import hf_moe_tp alone changes no other library)
     hf_moe_tp.install()
     # the ParallelismConfig comes from the config file; without GPUs accelerate needs cpu=True to join the ranks
     accelerator = Accelerator(cpu=not torch.cuda.is_available())

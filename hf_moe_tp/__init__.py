@@ -2,6 +2,11 @@
 
 The public names load on first use (PEP 562), so ``import hf_moe_tp`` and ``hf-moe-tp --help`` import neither
 torch nor transformers; ``from hf_moe_tp import from_pretrained`` imports what that needs.
+
+Layout (each subpackage's ``__init__`` says what it owns and may import): ``runtime`` < ``parallel`` <
+``checkpoint`` < ``integrations`` < ``cli``, with :mod:`.pretrained` above ``integrations`` and :mod:`._compat`
+(other libraries' private symbols) beside them all. The module paths before the subpackages
+(``hf_moe_tp.plans``, ...) still import, with a ``FutureWarning``, for one release (:mod:`._moved`).
 """
 
 from __future__ import annotations
@@ -9,27 +14,34 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import _moved
+
+# The old module paths (hf_moe_tp.plans -> hf_moe_tp.parallel.plans, ...): a finder first on sys.meta_path
+# (once per process) that answers for those names under hf_moe_tp and returns None for every other import, so
+# it changes how no other package imports.
+_moved.install()
+
 # public name -> the module that defines it
 _EXPORTS = {
-    "ExpertActivation": "experts",
-    "ExpertParallel": "expert_parallel",
-    "GroupedExperts": "experts",
-    "LoadReport": "loading",
-    "LocalParams": "styles",
-    "NoParallel": "styles",
-    "TensorParallel": "styles",
-    "apply_plan": "plans",
-    "data_parallel_rank": "meshes",
-    "expert_load": "load_balance",
+    "ExpertActivation": "parallel.experts",
+    "ExpertParallel": "parallel.expert_parallel",
+    "GroupedExperts": "parallel.experts",
+    "LoadReport": "checkpoint.loading",
+    "LocalParams": "parallel.styles",
+    "NoParallel": "parallel.styles",
+    "TensorParallel": "parallel.styles",
+    "apply_plan": "pretrained",
+    "data_parallel_rank": "parallel.meshes",
+    "expert_load": "parallel.load_balance",
     "from_pretrained": "pretrained",
-    "grouped_mm": "grouped_matmul",
-    "install": "install",
-    "load_checkpoint": "loading",
-    "load_summary": "load_balance",
-    "save_pretrained": "saving",
-    "tp_plan": "plans",
-    "track_expert_load": "load_balance",
-    "uninstall": "install",
+    "grouped_mm": "parallel.grouped_matmul",
+    "install": "integrations.install",
+    "load_checkpoint": "checkpoint.loading",
+    "load_summary": "parallel.load_balance",
+    "save_pretrained": "checkpoint.saving",
+    "tp_plan": "parallel.plans",
+    "track_expert_load": "parallel.load_balance",
+    "uninstall": "integrations.install",
 }
 
 __all__ = [
@@ -58,7 +70,11 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
-    if module is None:  # a submodule (``hf_moe_tp.loading``), as the eager package gave it after import
+    if module is None and name in _moved.MOVED:  # an old module path (hf_moe_tp.loading): warns
+        value = _moved.load(name, stacklevel=2)
+        globals()[name] = value
+        return value
+    if module is None:  # a subpackage (``hf_moe_tp.parallel``), as the eager package gave it after import
         try:
             return importlib.import_module(f".{name}", __name__)
         except ModuleNotFoundError as e:
@@ -75,14 +91,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .expert_parallel import ExpertParallel
-    from .experts import ExpertActivation, GroupedExperts
-    from .grouped_matmul import grouped_mm
-    from .install import install, uninstall
-    from .load_balance import expert_load, load_summary, track_expert_load
-    from .loading import LoadReport, load_checkpoint
-    from .meshes import data_parallel_rank
-    from .plans import apply_plan, tp_plan
-    from .pretrained import from_pretrained
-    from .saving import save_pretrained
-    from .styles import LocalParams, NoParallel, TensorParallel
+    from .checkpoint.loading import LoadReport, load_checkpoint
+    from .checkpoint.saving import save_pretrained
+    from .integrations.install import install, uninstall
+    from .parallel.expert_parallel import ExpertParallel
+    from .parallel.experts import ExpertActivation, GroupedExperts
+    from .parallel.grouped_matmul import grouped_mm
+    from .parallel.load_balance import expert_load, load_summary, track_expert_load
+    from .parallel.meshes import data_parallel_rank
+    from .parallel.plans import tp_plan
+    from .parallel.styles import LocalParams, NoParallel, TensorParallel
+    from .pretrained import apply_plan, from_pretrained

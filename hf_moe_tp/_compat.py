@@ -54,7 +54,7 @@ PRIVATE: dict[str, Private] = {p.path: p for p in (
     Private("transformers", "transformers.distributed.parallel_utils:ALL_PARALLEL_STYLES._global_mapping",
             TRANSFORMERS, "uninstall() removes our style names from transformers' registry"),
     Private("transformers", "transformers.trainer:Trainer._save_optimizer_and_scheduler", TRANSFORMERS,
-            "DCP checkpoints of our models' optimizer state (hf_moe_tp.trainer)"),
+            "DCP checkpoints of our models' optimizer state (hf_moe_tp.integrations.trainer)"),
     Private("transformers", "transformers.trainer:Trainer._load_optimizer_and_scheduler", TRANSFORMERS,
             "resume from those checkpoints"),
     Private("transformers", "transformers.trainer:Trainer._load_from_checkpoint", TRANSFORMERS,
@@ -62,7 +62,7 @@ PRIVATE: dict[str, Private] = {p.path: p for p in (
     Private("transformers", "transformers.trainer:Trainer._load_best_model", TRANSFORMERS,
             "load_best_model_at_end with our checkpoints"),
     Private("accelerate", "accelerate.parallelism_config:ParallelismConfig._validate_accelerator", "accelerate 1.16",
-            "ParallelismConfig on CPU processes (hf_moe_tp.accelerate_cpu)"),
+            "ParallelismConfig on CPU processes (hf_moe_tp.integrations.accelerate_cpu)"),
     Private("peft", "peft.tuners.lora:LoraModel._create_and_replace", "peft 0.21",
             "every LoRA adapter PEFT builds on our model is sharded right after"),
     Private("peft", "peft.tuners.lora:LoraModel._check_new_adapter_config", "peft 0.21",
@@ -85,7 +85,7 @@ MODEL_WEIGHT_CONVERSIONS = "_weight_conversions"
 EXPERTS_APPLY_GATE = "_apply_gate"
 # PEFT's marks on a layer transformers split (it splits adapters after them)
 PEFT_TP_PLAN, PEFT_DEVICE_MESH = "_hf_tp_plan", "_hf_device_mesh"
-# Trainer methods hf_moe_tp.trainer wraps (the public ones too, with the private above)
+# Trainer methods hf_moe_tp.integrations.trainer wraps (the public ones too, with the private above)
 TRAINER_SAVE_OPTIMIZER = "_save_optimizer_and_scheduler"
 TRAINER_LOAD_OPTIMIZER = "_load_optimizer_and_scheduler"
 TRAINER_LOAD_CHECKPOINT = "_load_from_checkpoint"

@@ -1,4 +1,9 @@
-"""``from_pretrained``: a Hugging Face MoE checkpoint, loaded tensor-parallel, each rank reading its slices."""
+"""``from_pretrained``: a Hugging Face MoE checkpoint, loaded tensor-parallel, each rank reading its slices.
+
+Above every layer (runtime, parallel, checkpoint, integrations): it may import any of them. The public
+:func:`apply_plan` is here too, as the core plan (:func:`hf_moe_tp.parallel.plans.apply_plan`) after switching the
+integrations on: the core imports nothing from ``integrations``.
+"""
 
 from __future__ import annotations
 
@@ -14,20 +19,22 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 from transformers import GenerationConfig, PreTrainedModel
 
-from . import agreement, plans
-from .expert_parallel import ExpertParallel
-from .experts import GroupedExperts
-from .fp8 import keep_fp8_weights, place_scales
-from .fsdp import divide_expert_gradients, shard_data_parallel
-from .hf_arguments import refuse, resolve
-from .input_check import check_inputs_on, check_mode
-from .load_balance import balance_experts
-from .loading import load_checkpoint
-from .meshes import init_process_group, mesh_device, resolve_layout
-from .randomness import generate_on_leader_state, same_draws_in_training
-from .saving import bind_save_pretrained
-from .timeouts import DEFAULT_TIMEOUT_S, explain_collective_failures, set_timeout
-from .trainer import declare_layout
+from .checkpoint.fp8 import keep_fp8_weights, place_scales
+from .checkpoint.loading import load_checkpoint
+from .checkpoint.saving import bind_save_pretrained
+from .integrations.hf_arguments import refuse, resolve
+from .integrations.switch import enable
+from .integrations.trainer import declare_layout
+from .parallel import plans
+from .parallel.expert_parallel import ExpertParallel
+from .parallel.experts import GroupedExperts
+from .parallel.fsdp import divide_expert_gradients, shard_data_parallel
+from .parallel.input_check import check_inputs_on, check_mode
+from .parallel.load_balance import balance_experts
+from .parallel.meshes import init_process_group, mesh_device, resolve_layout
+from .parallel.randomness import generate_on_leader_state, same_draws_in_training
+from .runtime import agreement
+from .runtime.timeouts import DEFAULT_TIMEOUT_S, explain_collective_failures, set_timeout
 
 
 def from_pretrained(
@@ -74,22 +81,22 @@ def from_pretrained(
     (``"auto"``, ``"all_to_all"``, ``"all_reduce"``) sets :class:`ExpertParallel`'s ``dispatch`` for them all.
 
     The loss of a forward with ``labels`` comes from logits split over the vocabulary where ``lm_head`` is
-    split (:mod:`hf_moe_tp.loss`); the outputs' ``logits`` are gathered all the same. ``loss_parallel``: in a
+    split (:mod:`hf_moe_tp.parallel.loss`); the outputs' ``logits`` are gathered all the same. ``loss_parallel``: in a
     training-mode forward with ``labels`` they are not: they stay a DTensor split over the vocabulary
     (``.full_tensor()`` for the whole), saving the all-gather; otherwise (inference, ``generate``, evaluation
     with labels) they are gathered as usual.
 
-    Data parallelism with FSDP2 (:mod:`hf_moe_tp.fsdp`, each decoder layer and the root ``fully_shard``-ed):
+    Data parallelism with FSDP2 (:mod:`hf_moe_tp.parallel.fsdp`, each decoder layer and the root ``fully_shard``-ed):
     a ``device_mesh`` with a ``"dp_shard"`` (or ``"dp"``, ``"fsdp"``) dimension beside ``"tp"``, and for HSDP a
     ``"dp_replicate"`` one in front; or ``fsdp_size`` / ``dp_replicate_size`` (the rest of the world is TP).
     ``mp_policy`` and ``offload_policy`` go to ``fully_shard``. Every parameter then lives on the one parent
     mesh, so ``clip_grad_norm_`` and fused optimizers take them all in one call. With an ``(ep, tp)`` mesh,
     ``fsdp_size`` equal to its ep size shards the dense layers over the ep ranks (which hold different batches).
-    Layouts (:mod:`hf_moe_tp.meshes`) other than these are refused by name.
+    Layouts (:mod:`hf_moe_tp.parallel.meshes`) other than these are refused by name.
 
     ``check_inputs``: compare a fingerprint of the forward's inputs across the TP group
-    (:mod:`hf_moe_tp.input_check`) on the ``"first"`` forward (default), on ``"always"`` every forward, or
-    ``"never"``; ranks fed different inputs raise :class:`~hf_moe_tp.input_check.InputMismatchError` on every
+    (:mod:`hf_moe_tp.parallel.input_check`) on the ``"first"`` forward (default), on ``"always"`` every forward, or
+    ``"never"``; ranks fed different inputs raise :class:`~hf_moe_tp.parallel.input_check.InputMismatchError` on every
     rank instead of computing silently wrong results (or aborting in a collective of mismatched sizes).
 
     ``experts_column_major``: deprecated and without effect: expert weights are always stored in the
@@ -98,12 +105,12 @@ def from_pretrained(
     ``timeout``: seconds that any collective of loading, forward or backward may wait before it fails (a rank
     that died or stopped calling forward), set on every process group the model uses. Without it, a process
     group started here waits at most 600 s; one the caller started keeps its own timeouts. A forward whose
-    collective fails raises :class:`~hf_moe_tp.timeouts.CollectiveFailure` naming the ranks that did not
+    collective fails raises :class:`~hf_moe_tp.runtime.timeouts.CollectiveFailure` naming the ranks that did not
     report the failure.
 
     ``keep_quantized``: on a block-scaled FP8 checkpoint, keep the FP8 weights of expert and linear layers in
-    memory with their block scales, sharded like the weights (:mod:`hf_moe_tp.fp8`: about half the bf16 model's
-    bytes per rank), dequantizing each rank's part as the forward needs it; the outputs are those of the
+    memory with their block scales, sharded like the weights (:mod:`hf_moe_tp.checkpoint.fp8`: about half the bf16
+    model's bytes per rank), dequantizing each rank's part as the forward needs it; the outputs are those of the
     dequantized model within round-off, the FP8 weights cannot be trained, and ``save_pretrained`` writes the
     checkpoint's own format back. Other checkpoints, FSDP2 layouts and plans splitting an FP8 weight across its
     scale blocks are refused by name.
@@ -117,19 +124,21 @@ def from_pretrained(
 
     ``expert_bias_update_rate``: auxiliary-loss-free balancing (DeepSeek-V3's rule) for families whose router has a
     score-correction bias (``e_score_correction_bias``): after every optimizer step over the model's parameters,
-    each bias moves by ``rate * sign(mean load - expert load)`` (:func:`hf_moe_tp.load_balance.balance_experts`;
-    DeepSeek-V3 used 0.001). Refused for a model without such a bias.
+    each bias moves by ``rate * sign(mean load - expert load)``
+    (:func:`hf_moe_tp.parallel.load_balance.balance_experts`; DeepSeek-V3 used 0.001). Refused for a model without such
+    a bias.
 
     With FSDP2, the model takes its final layout on the meta device (plan, then ``fully_shard``) before any byte
     is read, and each rank reads exactly the box of each parameter it holds: FSDP's shard of its TP shard.
 
     ``hf_kwargs``: transformers' own ``from_pretrained`` arguments, honoured as there or refused by name
-    (:mod:`hf_moe_tp.hf_arguments`, the README's table): ``dtype`` as a name or ``"auto"``,
+    (:mod:`hf_moe_tp.integrations.hf_arguments`, the README's table): ``dtype`` as a name or ``"auto"``,
     ``attn_implementation``, ``config`` (object or path), config attributes as overrides, ``revision``,
     ``cache_dir``, ``token``, ``local_files_only``, ``subfolder``, ``trust_remote_code`` (native classes only),
     ``generation_config``, ``use_safetensors``, ``quantization_config`` (FP8 or MXFP4 with ``dequantize=True``);
     ``device_map``, ``load_in_8bit`` and the like are refused, naming the argument. Quantized checkpoints (FP8
-    block-scaled, MXFP4) are dequantized on read to ``dtype`` (:mod:`hf_moe_tp.quantized`); others are refused.
+    block-scaled, MXFP4) are dequantized on read to ``dtype`` (:mod:`hf_moe_tp.checkpoint.quantized`); others are
+    refused.
 
     Failures never leave a rank waiting: whatever fails on any rank (a bad file, a read error on one rank, a
     mesh that leaves this rank out), every rank raises :class:`LoadError` naming each failed rank's error.
@@ -177,7 +186,7 @@ def from_pretrained(
                     if isinstance(s, ExpertParallel) else s for n, s in plan.items()}
         if keep_quantized:  # FP8 layers in, before the plan places them (headers only)
             keep_fp8_weights(model, path, plan)
-        plans.apply_plan(model, mesh, plan, ep_mesh=ep_mesh)
+        apply_plan(model, mesh, plan, ep_mesh=ep_mesh)
         if keep_quantized:
             place_scales(model)
         model.hf_moe_tp_mesh, model.hf_moe_tp_ep_mesh = mesh, ep_mesh
@@ -205,6 +214,20 @@ def from_pretrained(
         error = e
     agree(error)
     return model.eval()
+
+
+def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle | str],
+               ep_mesh: DeviceMesh | None = None) -> nn.Module:
+    """Apply ``plan`` (names or ``*`` patterns -> styles or style names), then replicate every parameter left
+    as a plain tensor. ``ExpertParallel`` entries go on ``ep_mesh`` when given (a 2-D ``(ep, tp)`` mesh whose
+    ``tp`` dimension is ``mesh``), on ``mesh`` otherwise. Where the output projection is split over the
+    vocabulary, forwards with labels take the loss from the split logits
+    (:func:`hf_moe_tp.parallel.loss.split_loss`; ``model.hf_moe_tp_split_loss`` says whether). Every
+    GroupedExperts counts its tokens (:func:`hf_moe_tp.expert_load`). Switches on the integrations with
+    accelerate, PEFT and the Trainer (:mod:`hf_moe_tp.integrations.switch`), then applies the plan with
+    :func:`hf_moe_tp.parallel.plans.apply_plan`."""
+    enable()
+    return plans.apply_plan(model, mesh, plan, ep_mesh=ep_mesh)
 
 
 class LoadError(RuntimeError):

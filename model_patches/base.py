@@ -6,7 +6,7 @@ transposed (E, H, 2*I) / (E, I, H) (``is_transposed``); gate and up halves conca
 checkpoints of several families instead keep one 2-D ``nn.Linear`` weight per expert
 (``experts.{e}.w1.weight``), which the family's checkpoint conversion in transformers names. The adapter
 swaps each expert module for a :class:`GroupedExperts` and says, for each of its parameters, which checkpoint
-tensors fill it (:class:`hf_moe_tp.sources.Source`). Family modules subclass it only where a family differs.
+tensors fill it (:class:`hf_moe_tp.checkpoint.sources.Source`). Family modules subclass it only where a family differs.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from torch import nn
 from transformers.activations import ACT2CLS
 
 from hf_moe_tp._compat import EXPERTS_APPLY_GATE, default_apply_gate
-from hf_moe_tp.experts import ExpertActivation, GroupedExperts
-from hf_moe_tp.sources import Axis, Source
+from hf_moe_tp.checkpoint.sources import Axis, Source
+from hf_moe_tp.parallel.experts import ExpertActivation, GroupedExperts
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hf_moe_tp.experts import ExpertActivation
+from hf_moe_tp.parallel.experts import ExpertActivation
 
 from .base import Adapter, activation_name
 

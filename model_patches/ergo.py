@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from hf_moe_tp.experts import GroupedExperts
+from hf_moe_tp.parallel.experts import GroupedExperts
 
 from .base import Adapter, ExpertLayout
 

@@ -6,7 +6,7 @@ then as many vision experts) with the two routers' weights stored transposed (``
 
 from __future__ import annotations
 
-from hf_moe_tp.sources import Axis, Source
+from hf_moe_tp.checkpoint.sources import Axis, Source
 
 from .base import Adapter, ExpertLayout, per_expert_sources
 

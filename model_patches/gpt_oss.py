@@ -1,13 +1,13 @@
 """GPT-OSS: the generic adapter for its experts (interleaved, transposed, biased, clamped SwiGLU), plus the
 attention plan transformers 5.23 leaves out (its ``tp_plan`` splits only ``lm_head``); the per-head attention
-sinks then split alongside the heads (``hf_moe_tp.plans.sink_entries``)."""
+sinks then split alongside the heads (``hf_moe_tp.parallel.plans.sink_entries``)."""
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from hf_moe_tp.hf_plan import heads_divide
+from hf_moe_tp.parallel.hf_plan import heads_divide
 
 from .base import Adapter
 

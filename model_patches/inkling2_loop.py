@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from hf_moe_tp.sources import Axis, Source
+from hf_moe_tp.checkpoint.sources import Axis, Source
 
 from .base import Adapter
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers.models.llama4.modeling_llama4 import Llama4TextExperts, Llama4TextMoe
 
-from hf_moe_tp.experts import ExpertActivation, GroupedExperts
+from hf_moe_tp.parallel.experts import ExpertActivation, GroupedExperts
 
 from .base import Adapter, ExpertLayout, activation_name
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from hf_moe_tp.experts import ExpertActivation
+from hf_moe_tp.parallel.experts import ExpertActivation
 
 from .base import Adapter
 

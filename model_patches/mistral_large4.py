@@ -5,7 +5,7 @@ first half and its odd rows its second half: every half is one strided read of t
 
 from __future__ import annotations
 
-from hf_moe_tp.sources import Axis, Source
+from hf_moe_tp.checkpoint.sources import Axis, Source
 
 from .base import Adapter
 

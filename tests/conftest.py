@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_moe_tp.launch import RankPool
+from hf_moe_tp.runtime.launch import RankPool
 
 # A test body that has not finished in this many seconds is taken as hung.
 RANK_TIMEOUT_S = 120.0

@@ -34,7 +34,7 @@ def test_a_missing_symbol_is_named_with_the_release():
 
 def _sources():
     for folder in ("hf_moe_tp", "model_patches"):
-        for path in sorted((ROOT / folder).glob("*.py")):
+        for path in sorted((ROOT / folder).rglob("*.py")):  # the subpackages too
             if path.name != "_compat.py":
                 yield path
 

@@ -119,7 +119,7 @@ def test_inkling_interleaved_gate_up(ranks, families, tmp_path, monkeypatch):
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter
 
-    from hf_moe_tp.conversions import model_keys, parameter_sources
+    from hf_moe_tp.checkpoint.conversions import model_keys, parameter_sources
 
     build = mm.build_multimodal_config
 

@@ -74,7 +74,7 @@ def test_decode_step_never_waits_on_the_host(ranks, tmp_path, kwargs, batch):
 def test_the_check_sees_host_waits(ranks, tmp_path):
     """The recorder catches them: EP's all-to-all dispatch needs its split sizes on the host."""
     path = str(save_family("mixtral", tmp_path))
-    from hf_moe_tp import expert_parallel
+    from hf_moe_tp.parallel import expert_parallel
 
     for calls in ranks(2).run(_decode_step, path, dict(ep_size=2, ep_dispatch="all_to_all"), 1):
         assert ("tolist", "expert_parallel.py") in {(n, where.split(":")[0]) for n, where in calls}, calls

@@ -45,7 +45,7 @@ def _ep_matches_unsharded(experts: int, layout: str, bias: bool, score_before: b
     """EP against one process. ``layout``: "replicate" (every rank the same tokens) or "shard" (each rank its own
     batch: the reference runs all ranks' batches concatenated). ``mesh_shape``: a 2-D (ep, tp) mesh.
     ``masked_pairs``: the all-reduce dispatch's threshold for running every pair (see _dispatch_local)."""
-    from hf_moe_tp import expert_parallel
+    from hf_moe_tp.parallel import expert_parallel
 
     if masked_pairs is not None:
         expert_parallel.MASKED_PAIRS = masked_pairs
@@ -169,7 +169,7 @@ def checkpoints(tmp_path_factory):
 
 
 def _own_experts(module: GroupedExperts) -> range:
-    start = hf_moe_tp.loading.local_box(module.w1_weight)[0]
+    start = hf_moe_tp.checkpoint.loading.local_box(module.w1_weight)[0]
     return range(*start)
 
 

@@ -14,7 +14,7 @@ from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
 from hf_moe_tp import ExpertActivation
-from hf_moe_tp import grouped_matmul as gmm
+from hf_moe_tp.parallel import grouped_matmul as gmm
 
 TOKENS, EXPERTS, DIM, TOP_K = 64, 8, 32, 2
 

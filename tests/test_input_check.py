@@ -11,7 +11,7 @@ import torch.distributed as dist
 from families import save_family
 
 import hf_moe_tp
-from hf_moe_tp.input_check import InputMismatchError
+from hf_moe_tp.parallel.input_check import InputMismatchError
 
 
 @pytest.fixture(scope="module")

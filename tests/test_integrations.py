@@ -212,13 +212,20 @@ import transformers.trainer
 from transformers import Trainer
 
 hooks = torch.nn.modules.module._global_module_registration_hooks
-before = (ParallelismConfig._validate_accelerator, dict(hooks), list(sys.meta_path), dict(vars(Trainer)))
+
+def finders():  # but hf_moe_tp's finder for its own old module paths (hf_moe_tp._moved), which answers for no other
+    return [f for f in sys.meta_path if not getattr(f, "hf_moe_tp_moved", False)]
+
+before = (ParallelismConfig._validate_accelerator, dict(hooks), finders(), dict(vars(Trainer)))
+paths = list(sys.meta_path)
 
 def now():
-    return (ParallelismConfig._validate_accelerator, dict(hooks), list(sys.meta_path), dict(vars(Trainer)))
+    return (ParallelismConfig._validate_accelerator, dict(hooks), finders(), dict(vars(Trainer)))
 
 import hf_moe_tp
 assert now() == before, "import hf_moe_tp changed another library"
+added = [f for f in sys.meta_path if f not in paths]
+assert len(added) == 1 and type(added[0]).__module__ == "hf_moe_tp._moved", added
 hf_moe_tp.install()
 changed = now()
 assert changed[0] is not before[0] and len(changed[1]) == len(before[1]) + 1
@@ -232,9 +239,10 @@ print("OK")
 
 
 def test_import_changes_no_other_library_and_uninstall_undoes_install():
-    """``import hf_moe_tp`` leaves accelerate's check, torch's module-registration hooks, ``sys.meta_path`` and
-    transformers' Trainer as they were; ``install()`` switches the integrations on and ``uninstall()`` puts every
-    one back (the same objects: a plain transformers model then trains exactly as without the package)."""
+    """``import hf_moe_tp`` leaves accelerate's check, torch's module-registration hooks, ``sys.meta_path`` (but for
+    the finder of hf_moe_tp's own old module paths) and transformers' Trainer as they were; ``install()`` switches
+    the integrations on and ``uninstall()`` puts every one back (the same objects: a plain transformers model then
+    trains exactly as without the package)."""
     import subprocess
     import sys
 

@@ -1,6 +1,6 @@
-"""FP8 weights kept quantized (``from_pretrained(path, keep_quantized=True)``, hf_moe_tp/fp8.py) on tiny DeepSeek-V3
-checkpoints in the hub's FP8 layout (tests/quantized_families.py), at TP 1, 2, 4 and with EP, against the same
-checkpoint dequantized on read at the same layout: logits, greedy tokens, each rank's FP8 bytes and scales, memory
+"""FP8 weights kept quantized (``from_pretrained(path, keep_quantized=True)``, hf_moe_tp/checkpoint/fp8.py) on tiny
+DeepSeek-V3 checkpoints in the hub's FP8 layout (tests/quantized_families.py), at TP 1, 2, 4 and with EP, against the
+same checkpoint dequantized on read at the same layout: logits, greedy tokens, each rank's FP8 bytes and scales, memory
 per rank; save_pretrained writes the checkpoint back byte for byte; refusals on every rank; no host waits in a decode
 step.
 """
@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor
 from transformers import FineGrainedFP8Config, GptOssConfig
 
 import hf_moe_tp
-from hf_moe_tp.fp8 import Fp8Experts, Fp8Linear
-from hf_moe_tp.loading import local_box
-from hf_moe_tp.quantized import RepeatedScale
+from hf_moe_tp.checkpoint.fp8 import Fp8Experts, Fp8Linear
+from hf_moe_tp.checkpoint.loading import local_box
+from hf_moe_tp.checkpoint.quantized import RepeatedScale
 
 FP32_TOL = 1e-5
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -257,7 +257,7 @@ def _save_error(path: str, out: str) -> str:
     model = hf_moe_tp.from_pretrained(path, keep_quantized=True)
     try:
         hf_moe_tp.save_pretrained(model, out)
-    except hf_moe_tp.saving.SaveError as e:
+    except hf_moe_tp.checkpoint.saving.SaveError as e:
         return str(e)
     return "saved"
 
@@ -288,7 +288,7 @@ def _splitting_plan() -> dict:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    from hf_moe_tp.styles import LocalParams
+    from hf_moe_tp.parallel.styles import LocalParams
 
     return {"model.layers.0.self_attn.q_b_proj": ColwiseParallel(use_local_output=False),
             "model.layers.1.mlp.experts": LocalParams(placements={"w1_weight": Shard(2)})}

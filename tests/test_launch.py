@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_moe_tp.launch import RankError, RankPool
+from hf_moe_tp.runtime.launch import RankError, RankPool
 
 
 def _rank_and_sum() -> tuple[int, float]:
@@ -55,7 +55,7 @@ import threading
 
 import torch.distributed as dist
 
-from hf_moe_tp.launch import run_on_ranks
+from hf_moe_tp.runtime.launch import run_on_ranks
 
 LOCK = threading.Lock()  # a global that does not pickle: by value, cloudpickle would have to send it
 

@@ -148,7 +148,7 @@ def skewed_deepseek(tmp_path_factory):
 def _balance(path: str, kwargs: dict, rate: float | None) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from hf_moe_tp.load_balance import expert_biases
+    from hf_moe_tp.parallel.load_balance import expert_biases
 
     model = hf_moe_tp.from_pretrained(path, expert_bias_update_rate=rate, **kwargs).train()
     index, count = hf_moe_tp.data_parallel_rank(model)

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_moe_tp
 from hf_moe_tp import GroupedExperts
-from hf_moe_tp.loading import local_box
+from hf_moe_tp.checkpoint.loading import local_box
 
 LAYOUTS = {
     "tp4": {},
@@ -128,7 +128,7 @@ def _held_and_read(path: str, kwargs: dict) -> tuple[int, int]:
 def test_inspect_predicts_each_ranks_shards_and_reads(ranks, checkpoints, layout):
     """inspect's per-rank parameter bytes and bytes read (FP8 checkpoint: blocks a shard cuts counted on both
     sides) equal what each rank of the real load holds and reads, at every layout."""
-    from hf_moe_tp.inspection import inspect_checkpoint
+    from hf_moe_tp.cli.inspection import inspect_checkpoint
 
     path = checkpoints("fp8")[0]
     report = inspect_checkpoint(path, **INSPECT[layout])
@@ -144,7 +144,7 @@ def test_inspect_a_config_alone_at_training_scale(tmp_path):
     reads what it holds, and the job reads the model once."""
     from transformers import Qwen3MoeConfig
 
-    from hf_moe_tp.inspection import inspect_checkpoint
+    from hf_moe_tp.cli.inspection import inspect_checkpoint
 
     config = Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
                             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8, head_dim=8,

@@ -67,7 +67,7 @@ def _compare_with_transformers(path: str):
         if isinstance(module, GroupedExperts):
             for pname, tensor in reference_expert_weights(ref_params, name, module).items():
                 local = getattr(module, pname)
-                box = hf_moe_tp.loading.local_box(local)
+                box = hf_moe_tp.checkpoint.loading.local_box(local)
                 expected = tensor[tuple(slice(a, b) for a, b in box)]
                 if not torch.equal(local.to_local(), expected):
                     shard_errors.append(f"{name}.{pname}")

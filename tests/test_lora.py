@@ -1,5 +1,5 @@
-"""LoRA through PEFT on the tensor-parallel model (hf_moe_tp/lora.py): the same training as one process, the
-adapters placed like their base layers, saved in PEFT's format, merged into a hub checkpoint; refusals."""
+"""LoRA through PEFT on the tensor-parallel model (hf_moe_tp/integrations/lora/): the same training as one process,
+the adapters placed like their base layers, saved in PEFT's format, merged into a hub checkpoint; refusals."""
 
 from __future__ import annotations
 
@@ -316,7 +316,7 @@ REFUSED = {  # LoraConfig, the layout, what the message names
 def _refused(path: str, lora: dict, layout: dict) -> str | None:
     from peft import LoraConfig, get_peft_model
 
-    from hf_moe_tp.lora import UnsupportedLoraError
+    from hf_moe_tp.integrations.lora import UnsupportedLoraError
 
     try:
         get_peft_model(layout_model(path, layout), LoraConfig(r=4, **lora))
@@ -353,7 +353,7 @@ def test_lora_expert_parallel_refusals(ranks, checkpoints, tmp_path, case):  # n
 def _other_method_refused(path: str) -> str | None:
     from peft import LoHaConfig, get_peft_model
 
-    from hf_moe_tp.lora import UnsupportedLoraError
+    from hf_moe_tp.integrations.lora import UnsupportedLoraError
 
     try:
         get_peft_model(layout_model(path, {}), LoHaConfig(r=4, target_modules=ATTENTION))

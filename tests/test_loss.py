@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 import hf_moe_tp
-from hf_moe_tp.loss import causal_lm_loss
+from hf_moe_tp.parallel.loss import causal_lm_loss
 
 
 def _loss_and_grad(vocab: int, dtype_name: str, num_items: int | None, shift: bool):

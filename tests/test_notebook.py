@@ -34,7 +34,7 @@ def test_quickstart_notebook(tmp_path, monkeypatch):
 
 
 NOTEBOOK_FUNCTIONS = '''
-from hf_moe_tp.launch import run_on_ranks
+from hf_moe_tp.runtime.launch import run_on_ranks
 
 def my_step(x):
     import torch.distributed as dist

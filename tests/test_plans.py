@@ -7,7 +7,7 @@ import pytest
 from families import configs
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from hf_moe_tp import plans
+from hf_moe_tp.parallel import plans
 
 
 def test_unknown_transformers_style_is_refused_by_name():
@@ -49,7 +49,7 @@ def test_loss_parallel_plan_is_what_from_pretrained_applies(fake_ranks):
     False)``, which the split loss did not recognise: logits always split, the loss left to the caller."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hf_moe_tp.linear import ColumnParallel
+    from hf_moe_tp.parallel.linear import ColumnParallel
 
     mesh = init_device_mesh("cpu", (2,))
     for loss_parallel in (False, True):

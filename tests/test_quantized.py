@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config, GptOssConfi
 
 import hf_moe_tp
 from hf_moe_tp.checkpoint import Checkpoint
-from hf_moe_tp.quantized import Fp8Weight, Mxfp4Weight
+from hf_moe_tp.checkpoint.quantized import Fp8Weight, Mxfp4Weight
 
 FP32_TOL = 2e-5
 
@@ -495,7 +495,7 @@ def _bytes_read(path: str) -> int:
 def test_inspect_shows_quantization_and_rank_bytes(ranks, quantized, kind, world):
     """inspect names the format and predicts, from the headers alone, exactly the bytes each rank's load reads
     (quantized elements, blocks and scales covering its shards, straddled blocks counted on both sides)."""
-    from hf_moe_tp.inspection import inspect_checkpoint
+    from hf_moe_tp.cli.inspection import inspect_checkpoint
 
     path = quantized(kind)
     report = inspect_checkpoint(path, world)

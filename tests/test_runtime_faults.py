@@ -17,8 +17,8 @@ import torch.distributed as dist
 from families import save_family
 
 import hf_moe_tp
-from hf_moe_tp.launch import RankError, RankPool
-from hf_moe_tp.timeouts import CollectiveFailure
+from hf_moe_tp.runtime.launch import RankError, RankPool
+from hf_moe_tp.runtime.timeouts import CollectiveFailure
 
 TIMEOUT_S = 5.0
 

@@ -16,8 +16,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 import hf_moe_tp
-from hf_moe_tp import saving
-from hf_moe_tp.checkpoint import INDEX_FILE, SINGLE_FILE
+from hf_moe_tp.checkpoint import INDEX_FILE, SINGLE_FILE, saving
 
 FP32_TOL = 2e-5
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "llama4"]

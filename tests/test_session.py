@@ -1,4 +1,4 @@
-"""hf_moe_tp.session from a real Jupyter kernel (nbclient): ipyparallel engines as ranks of one process group,
+"""hf_moe_tp.runtime.session from a real Jupyter kernel (nbclient): ipyparallel engines as ranks of one process group,
 state kept between %%px cells, notebook functions run on the ranks, output labelled by rank, a collective
 hang cut off on every waiting rank (the kernel lives on), a rank busy past the timeout shows its stack,
 restart() gives working ranks again, and stop() frees them."""
@@ -12,8 +12,8 @@ from nbclient import NotebookClient
 
 CELLS = [
     """
-import hf_moe_tp.session
-session = hf_moe_tp.session.start(2, timeout=8)
+import hf_moe_tp.runtime.session
+session = hf_moe_tp.runtime.session.start(2, timeout=8)
 session.push(path=PATH)
 print("ranks", session.ranks)
 """,

@@ -258,7 +258,7 @@ def test_post_expert_norm(ranks, style):
 
 
 def _embedding_matches_unsharded(vocab: int, padding_idx: int | None):
-    from hf_moe_tp.styles import VocabParallelEmbedding
+    from hf_moe_tp.parallel.styles import VocabParallelEmbedding
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
@@ -289,7 +289,7 @@ def _linear_pair(gather: bool):
     unsharded: output, input and weight gradients; and the collectives the forward calls."""
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    from hf_moe_tp.linear import ColumnParallel, RowParallel
+    from hf_moe_tp.parallel.linear import ColumnParallel, RowParallel
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))

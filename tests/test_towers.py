@@ -12,8 +12,8 @@ import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import Llama4Config, Llama4ForConditionalGeneration
 
-from hf_moe_tp import plans
-from hf_moe_tp.towers import towers
+from hf_moe_tp.parallel import plans
+from hf_moe_tp.parallel.towers import towers
 
 TEXT = dict(hidden_size=32, intermediate_size=24, intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1,
             head_dim=8, vocab_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

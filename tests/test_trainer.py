@@ -2,7 +2,7 @@
 against the same Trainer run in one process on the eager transformers model (same data, seed and sampler):
 logged losses and gradient norms within 1e-4 per step (training steps leave the logits split), evaluate() and
 predict() alike; checkpoints resume;
-save_model() writes files plain transformers loads; the two shims of hf_moe_tp.trainer still needed."""
+save_model() writes files plain transformers loads; the two shims of hf_moe_tp.integrations.trainer still needed."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from families import save_family
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_moe_tp
-from hf_moe_tp import trainer as glue
+from hf_moe_tp.integrations import trainer as glue
 
 TOL = 1e-4
 PER_DEVICE = 2
@@ -128,7 +128,7 @@ def test_trainer_matches_one_process(ranks, mixtral, reference, tmp_path, layout
         assert abs(r["eval_loss"] - ref["eval_loss"]) <= TOL, (r["eval_loss"], ref["eval_loss"])
         assert r["predictions"].shape == ref["predictions"].shape, r["predictions"].shape
         assert np.abs(r["predictions"] - ref["predictions"]).max() <= 1e-4
-        # the training steps read only the loss: no gather of the logits (hf_moe_tp.loss.loss_only); the
+        # the training steps read only the loss: no gather of the logits (hf_moe_tp.parallel.loss.loss_only); the
         # evaluation reads them whole
         assert r["split_loss"] or layout != "tp2", layout
         assert {kept for training, kept in r["seen"] if training} == {r["split_loss"]}, r["seen"]
@@ -231,8 +231,8 @@ def test_trainer_fsdp_argument_refused(ranks, mixtral, tmp_path):
 
 
 def test_shims_still_needed(mixtral, tmp_path):
-    """hf_moe_tp.accelerate_cpu and the checkpoint patch of hf_moe_tp.trainer each answer a refusal the
-    installed accelerate / transformers still make: this fails (and the shim can go) once they stop."""
+    """hf_moe_tp.integrations.accelerate_cpu and the checkpoint patch of hf_moe_tp.integrations.trainer each answer a
+    refusal the installed accelerate / transformers still make: this fails (and the shim can go) once they stop."""
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DistributedType
 
@@ -364,7 +364,7 @@ def test_lora_with_the_trainer(ranks, mixtral, tmp_path, trainer):
 LAZY = '''
 import sys
 import hf_moe_tp
-from hf_moe_tp.demo import demo_checkpoint
+from hf_moe_tp.cli.demo import demo_checkpoint
 
 model = hf_moe_tp.from_pretrained(demo_checkpoint())
 loaded = "transformers.trainer" in sys.modules

@@ -132,7 +132,7 @@ def test_fused_adamw(ranks, checkpoints):
 def _jittered_routing(path: str, world_seed: int):
     """PhiMoE in training mode (sampled routing with router jitter, input jitter) with each rank seeded
     differently: the routing each TP rank computes, and the loss against one process seeded as rank 0."""
-    from hf_moe_tp.experts import GroupedExperts
+    from hf_moe_tp.parallel.experts import GroupedExperts
 
     model = hf_moe_tp.from_pretrained(path).train()
     ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train()

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import hf_moe_tp
-from hf_moe_tp.timeouts import CollectiveFailure
+from hf_moe_tp.runtime.timeouts import CollectiveFailure
 
 path, case, victim, timeout = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 model = hf_moe_tp.from_pretrained(path, timeout=timeout, threads=1)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import hf_moe_tp
 from hf_moe_tp import checkpoint
-from hf_moe_tp.meshes import init_process_group
+from hf_moe_tp.parallel.meshes import init_process_group
 
 init_process_group(timeout_s=1800)  # the default a user would have: the survivors must not depend on it
 if dist.get_rank() == 1:

@@ -1,0 +1,42 @@
+"""Checkpoints on disk: safetensors files, indexes and headers (:mod:`.files`), where each parameter's pieces live
+(:mod:`.sources`, :mod:`.conversions`), each rank reading its own boxes (:mod:`.loading`), saving in transformers'
+format (:mod:`.saving`), quantized checkpoints read dequantized (:mod:`.quantized`) or kept in FP8 (:mod:`.fp8`).
+
+Layering (runtime < parallel < checkpoint < integrations < cli; ``hf_moe_tp.pretrained`` above integrations): it may
+import :mod:`hf_moe_tp.runtime`, :mod:`hf_moe_tp.parallel`, :mod:`hf_moe_tp._compat` and ``model_patches``, never
+``integrations``, ``cli`` or ``pretrained``, not even inside a function (tests/test_moved.py checks).
+
+``hf_moe_tp.checkpoint`` was one module before the subpackages; what it defined (:class:`Checkpoint`,
+:class:`CheckpointError`, ...) is read from :mod:`.files` on first use, so ``from hf_moe_tp.checkpoint import
+Checkpoint`` keeps working and importing a sibling (``hf_moe_tp.checkpoint.sources``) loads no more than it needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# what the old module hf_moe_tp.checkpoint gave its users, now in .files
+__all__ = ["INDEX_FILE", "SINGLE_FILE", "ST_DTYPES", "Checkpoint", "CheckpointError", "TensorInfo"]
+_FILES = frozenset(__all__)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _FILES:  # a submodule on first use (``hf_moe_tp.checkpoint.loading``), as ``hf_moe_tp`` does
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(".files", __name__), name)
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_FILES))
+
+
+if TYPE_CHECKING:
+    from .files import INDEX_FILE, SINGLE_FILE, ST_DTYPES, Checkpoint, CheckpointError, TensorInfo

@@ -1,0 +1,96 @@
+"""The ``hf-moe-tp`` command: ``demo``, ``inspect PATH``, ``generate PATH``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hf-moe-tp`` console script."""
+    parser = argparse.ArgumentParser(
+        prog="hf-moe-tp",
+        description="Run Hugging Face Mixture-of-Experts models tensor-parallel on PyTorch DTensors.",
+        epilog="Run 'hf-moe-tp COMMAND --help' for a command's options.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = commands.add_parser(
+        "demo", help="load a built-in Mixtral checkpoint on local ranks and check it against one process",
+        description="Make the built-in Mixtral-format checkpoint (no download; cached in $HF_MOE_TP_CACHE or "
+        "~/.cache/hf_moe_tp), start --tp local ranks (gloo, CPU), load it tensor-parallel, generate, and compare "
+        "logits and tokens with transformers in one process. Prints per-rank time and memory.")
+    demo.add_argument("--tp", type=int, default=2, help="number of local ranks (default 2)")
+    demo.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (default 16)")
+    demo.add_argument("--ep-size", type=int, default=None,
+                      help="expert parallelism: whole experts per rank over this many ranks (default: off)")
+
+    inspect = commands.add_parser(
+        "inspect", help="show family, adapter, plan and per-rank bytes of a checkpoint, reading no weights",
+        description="Read a checkpoint's config and safetensors headers (no weights; or a config alone), build the "
+        "model on the meta device and place it on its final layout (--tp, --ep, then FSDP2 over --fsdp x "
+        "--dp-replicate) on a fake process group; print the detected family and adapter, the resolved plan and, "
+        "per rank, the parameter bytes held, the bytes read at load, the peak load memory and AdamW's state.")
+    inspect.add_argument("path", help="checkpoint folder (config.json + safetensors), or a config alone (a folder "
+                         "with config.json, or the file)")
+    inspect.add_argument("--tp", type=int, default=2, help="tensor-parallel size to plan for (default 2)")
+    inspect.add_argument("--fsdp", type=int, default=1, help="FSDP2 (dp_shard) size (default 1)")
+    inspect.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (default 1)")
+    inspect.add_argument("--ep", type=int, default=None,
+                         help="expert parallelism: equal to --tp, or with --tp 1 equal to --fsdp (default: off)")
+
+    generate = commands.add_parser(
+        "generate", help="generate from a checkpoint, tensor-parallel (greedy, or sampled with --sample)",
+        description="Load PATH tensor-parallel and generate, greedily unless --sample. Under torchrun (or "
+        "accelerate launch) it uses the ranks it is given; otherwise it starts --tp local ranks itself. Sampling "
+        "draws the same tokens on every rank (rank 0's generator), as one process seeded with --seed would.")
+    generate.add_argument("path", help="checkpoint folder")
+    generate.add_argument("--tp", type=int, default=2, help="local ranks to start when not under torchrun")
+    generate.add_argument("--prompt", help="text prompt (needs a tokenizer in PATH)")
+    generate.add_argument("--ids", type=int, nargs="+", help="prompt token ids (default: 1..8)")
+    generate.add_argument("--max-new-tokens", type=int, default=16)
+    generate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    generate.add_argument("--ep-size", type=int, default=None,
+                          help="expert parallelism: whole experts per rank over this many ranks (default: off)")
+    generate.add_argument("--sample", action="store_true",
+                          help="sample (do_sample=True) with the checkpoint's generation_config, changed by the "
+                          "options below")
+    generate.add_argument("--temperature", type=float, default=None)
+    generate.add_argument("--top-k", type=int, default=None)
+    generate.add_argument("--top-p", type=float, default=None)
+    generate.add_argument("--seed", type=int, default=0, help="torch.manual_seed on every rank (default 0)")
+    args = parser.parse_args(argv)
+
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(tp=args.tp, max_new_tokens=args.max_new_tokens, ep_size=args.ep_size)
+    if args.command == "inspect":
+        from .inspection import inspect_checkpoint, print_inspection
+
+        print_inspection(inspect_checkpoint(args.path, args.tp, fsdp=args.fsdp, ep=args.ep,
+                                            dp_replicate=args.dp_replicate))
+        return 0
+    from .generation import generate_on_ranks, generate_rank
+
+    sampling = None
+    if args.sample:
+        sampling = {"do_sample": True, "seed": args.seed, **{k: v for k, v in (
+            ("temperature", args.temperature), ("top_k", args.top_k), ("top_p", args.top_p)) if v is not None}}
+    elif any(v is not None for v in (args.temperature, args.top_k, args.top_p)):
+        parser.error("--temperature, --top-k and --top-p need --sample")
+    request = (args.path, args.prompt, args.ids, args.max_new_tokens, args.dtype, args.ep_size, sampling)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+
+        text = generate_rank(*request)
+        if text is not None:
+            print(text)
+        # Only after success (as torchtitan does): a gloo group left to interpreter shutdown can abort the
+        # process ("terminate called without an active exception") with its worker threads still alive.
+        dist.destroy_process_group()
+        return 0
+    print(generate_on_ranks(args.tp, *request))
+    return 0
+

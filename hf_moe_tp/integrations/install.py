@@ -1,0 +1,175 @@
+"""Make transformers' own ``from_pretrained(tp_plan=...)`` load MoE models the hf_moe_tp way.
+
+After :func:`install`, ``AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")`` and
+``from_pretrained(path, distributed_config=DistributedConfig(tp_plan=hf_moe_tp.tp_plan(config)))`` return the
+model :func:`hf_moe_tp.from_pretrained` returns: GroupedExperts with our styles, each rank reading its slices.
+
+Why a patch: transformers' TP loader shards each checkpoint tensor with its own (non-torch) styles into its
+own expert modules; there is no hook to hand it a different module layout. So the one patch here wraps
+``PreTrainedModel.from_pretrained``: a call with a TP plan on an MoE config goes to hf_moe_tp, every other
+call is untouched. Our style names are registered in transformers' public ``ParallelInterface`` so plans that
+name them validate there; transformers itself never applies them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+from .._compat import unregister_parallel_style
+from ..parallel.plans import STYLE_NAMES
+from .hf_arguments import HUB_OPTIONS
+
+_original = None  # PreTrainedModel.from_pretrained's function while installed
+
+# Config attributes that give an MoE model's expert count, across families.
+EXPERT_COUNT_ATTRIBUTES = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def install() -> None:
+    """Route transformers' tensor-parallel ``from_pretrained`` of MoE models through hf_moe_tp (idempotent)."""
+    global _original
+    from .switch import enable
+
+    enable()  # accelerate on CPU, PEFT, the Trainer (hf_moe_tp.integrations.switch)
+    if _original is not None:
+        return
+    _original = PreTrainedModel.from_pretrained.__func__
+    PreTrainedModel.from_pretrained = classmethod(_wrap(_original))
+    for name in STYLE_NAMES:
+        ALL_PARALLEL_STYLES.register(name, _AppliedByHfMoeTp(name))
+
+
+def uninstall() -> None:
+    """Undo :func:`install` and every other change hf_moe_tp made to other libraries (idempotent)."""
+    global _original
+    from .switch import disable
+
+    disable()
+    if _original is None:
+        return
+    PreTrainedModel.from_pretrained = classmethod(_original)
+    _original = None
+    for name in STYLE_NAMES:
+        unregister_parallel_style(name)
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect."""
+    return _original is not None
+
+
+def _wrap(original):
+    @functools.wraps(original)
+    def from_pretrained(cls, pretrained_model_name_or_path, *args: Any, **kwargs: Any):
+        plan = _requested_plan(kwargs)
+        if plan is None or args:
+            return original(cls, pretrained_model_name_or_path, *args, **kwargs)
+        from transformers import AutoConfig
+
+        config = kwargs.get("config")
+        if not hasattr(config, "model_type"):
+            hub = {k: kwargs[k] for k in (*HUB_OPTIONS, "subfolder") if k in kwargs}
+            try:  # native classes only, as hf_moe_tp loads them; anything else stays transformers' business
+                config = AutoConfig.from_pretrained(config or pretrained_model_name_or_path, **hub)
+            except (ValueError, KeyError):
+                return original(cls, pretrained_model_name_or_path, *args, **kwargs)
+        if not is_moe(config):
+            return original(cls, pretrained_model_name_or_path, *args, **kwargs)
+        from ..pretrained import from_pretrained as ours
+
+        rest = {k: v for k, v in kwargs.items() if k not in ("tp_plan", "distributed_config", "device_mesh")}
+        layout = distributed_kwargs(kwargs.get("distributed_config"))
+        # everything else (dtype, attn_implementation, config, hub options, refusals) as hf_moe_tp's own call
+        return ours(pretrained_model_name_or_path, tp_plan=plan, device_mesh=kwargs.get("device_mesh"),
+                    model_class=cls, **layout, **rest)
+
+    return from_pretrained
+
+
+def _requested_plan(kwargs: dict) -> Any:
+    """The TP plan a ``from_pretrained`` call asks for ("auto", a dict, or None for no TP)."""
+    if kwargs.get("tp_plan") is not None:
+        return kwargs["tp_plan"]
+    config = kwargs.get("distributed_config")
+    if config is None:
+        return None
+    if getattr(config, "tp_plan", None) is not None:
+        return config.tp_plan
+    sizes = [getattr(config, f, None) or 1 for f in ("tp_size", "ep_size", "fsdp_size", "dp_replicate_size")]
+    return "auto" if max(sizes) > 1 else None
+
+
+# DistributedConfig fields and the values we take; any other value is refused by name.
+SUPPORTED_DEFAULTS = {"enable_sequence_parallel": False, "pp_size": 1, "fsdp_plan": None, "ep_plan": None}
+EP_DISPATCH = {"auto": "auto", "all_to_all": "all_to_all", "all_reduce": "all_reduce"}
+
+
+def distributed_kwargs(config) -> dict[str, Any]:
+    """:func:`hf_moe_tp.from_pretrained` arguments for transformers' ``DistributedConfig``: sizes, FSDP2
+    policies, the EP dispatch. Fields with no equivalent here (pipeline and sequence parallelism, FSDP and EP
+    plans by module name, other EP implementations) raise ``ValueError`` naming them, before anything is read.
+    """
+    if config is None:
+        return {}
+    from dataclasses import fields
+
+    known = {f.name for f in fields(config)} if hasattr(config, "__dataclass_fields__") else set()
+    handled = {"tp_size", "tp_plan", "fsdp_size", "dp_replicate_size", "fsdp_cpu_offload", "fsdp_mixed_precision",
+               "ep_size", "enable_expert_parallel", "ep_implementation", *SUPPORTED_DEFAULTS}
+    unknown = sorted(known - handled)
+    refused = [f"{name}={getattr(config, name)!r}" for name, default in SUPPORTED_DEFAULTS.items()
+               if getattr(config, name, default) not in (default, None)]
+    refused += [f"{name}={getattr(config, name)!r}" for name in unknown if getattr(config, name) not in (None, False)]
+    implementation = getattr(config, "ep_implementation", "auto") or "auto"
+    if implementation not in EP_DISPATCH:
+        refused.append(f"ep_implementation={implementation!r}")
+    if refused:
+        raise ValueError(f"DistributedConfig field(s) not supported by hf_moe_tp: {', '.join(refused)} (supported: "
+                         f"tp_size, tp_plan, fsdp_size, dp_replicate_size, ep_size, fsdp_mixed_precision, "
+                         f"fsdp_cpu_offload, ep_implementation in {sorted(EP_DISPATCH)})")
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    out: dict[str, Any] = {}
+    fsdp, replicate = getattr(config, "fsdp_size", 1) or 1, getattr(config, "dp_replicate_size", 1) or 1
+    tp, ep = getattr(config, "tp_size", 1) or 1, getattr(config, "ep_size", 1) or 1
+    if dist.is_initialized() and tp * fsdp * replicate != dist.get_world_size():
+        raise ValueError(f"DistributedConfig tp_size={tp} x fsdp_size={fsdp} x dp_replicate_size={replicate} must "
+                         f"equal the world size {dist.get_world_size()}")
+    if fsdp > 1:
+        out["fsdp_size"] = fsdp
+    if replicate > 1:
+        out["dp_replicate_size"] = replicate
+    if ep > 1:
+        out["ep_size"] = ep
+        if implementation != "auto":
+            out["ep_dispatch"] = EP_DISPATCH[implementation]
+    if getattr(config, "fsdp_mixed_precision", False):  # transformers' policy: bf16 compute, fp32 reductions
+        out["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if getattr(config, "fsdp_cpu_offload", False):
+        out["offload_policy"] = CPUOffloadPolicy()
+    return out
+
+
+def is_moe(config) -> bool:
+    """Whether ``config`` (or its text config) describes a model with routed experts."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    return any((getattr(c, a, 0) or 0) > 1 for c in (config, text) for a in EXPERT_COUNT_ATTRIBUTES)
+
+
+class _AppliedByHfMoeTp:
+    """Registry entry for our style names: applying them is hf_moe_tp's job, never transformers'."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getattr__(self, attr: str):
+        raise RuntimeError(
+            f"the parallel style {self.name!r} is applied by hf_moe_tp.from_pretrained; call hf_moe_tp.install() "
+            "before transformers' from_pretrained, or call hf_moe_tp.from_pretrained directly"
+        )

@@ -1,0 +1,23 @@
+"""Models on DTensors: GroupedExperts and the grouped matmul, the parallel styles (tensor, expert and local
+parameters), the plans that give each module its style, meshes, FSDP2, vocabulary-parallel loss, replicated
+randomness, the multimodal towers, expert-load counters and the input check.
+
+Layering (runtime < parallel < checkpoint < integrations < cli; ``hf_moe_tp.pretrained`` above integrations): it may
+import :mod:`hf_moe_tp.runtime` and :mod:`hf_moe_tp._compat` (and ``model_patches``, for the family adapters), never
+``checkpoint``, ``integrations``, ``cli`` or ``pretrained``, not even inside a function (tests/test_moved.py checks).
+This ``__init__`` imports nothing until a submodule is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:  # a submodule on first use (hf_moe_tp.parallel.plans), as hf_moe_tp does
+    try:
+        return importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -1,0 +1,133 @@
+"""FSDP2 over the data-parallel dimensions of a tensor-parallel model: torchtitan's recipe on our layouts.
+
+``fully_shard`` goes on every decoder layer, the input embedding and the output projection (each its own unit;
+the last layer and the output projection kept gathered from forward to backward, which needs them first; the
+input embedding not gathered again for backward, which does not read it), then
+on the root (final norm and the rest), over the
+data-parallel mesh: one dimension (FSDP) or two (``dp_replicate``, ``dp_shard``: HSDP). The parameters are
+already DTensors on the tensor-parallel mesh, so FSDP2 makes them DTensors on the parent mesh (data-parallel
+dims first, then ``tp``): every parameter lives on that one mesh, and one ``clip_grad_norm_`` call covers all.
+
+Experts split over an ``"ep"`` dimension that also carries the data-parallel batches (the ``(ep, tp)`` layout
+of :func:`hf_moe_tp.from_pretrained`) are whole per rank already: FSDP leaves them (``ignored_params``), and
+their gradients, which sum every ep rank's tokens, are divided by the ep size as FSDP divides the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from .._compat import MODEL_FSDP_MANAGED, MODEL_NO_SPLIT
+
+logger = logging.getLogger(__name__)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP2 wraps one by one: modules of the classes transformers keeps whole
+    (``_no_split_modules``), outermost only."""
+    names = set(getattr(model, MODEL_NO_SPLIT, None) or [])
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside or module is model:
+            continue
+        if type(module).__name__ in names:
+            found.append(module)
+            inside.update(id(m) for m in module.modules())
+    return found
+
+
+def shard_data_parallel(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Apply FSDP2 to ``model`` (a model from :func:`hf_moe_tp.from_pretrained`) over ``dp_mesh``: each decoder
+    layer, then the root. ``mp_policy`` and ``offload_policy`` go to every ``fully_shard`` call.
+
+    Parameters on a mesh that already includes a data-parallel dimension (experts over an ``"ep"`` dimension
+    holding different batches) are left to themselves and their gradients divided by that dimension's size.
+
+    On a model still on the meta device (:func:`hf_moe_tp.from_pretrained` shards before it reads, so each rank
+    reads only its final shards) the parameters stay meta; call :func:`divide_expert_gradients` once they are
+    loaded.
+    """
+    if isinstance(offload_policy, CPUOffloadPolicy) and dp_mesh.device_type == "cpu":
+        # fully_shard's CPU offload moves accelerator parameters to host memory; on a CPU mesh they are there
+        logger.warning("CPU offload on a CPU mesh: the parameters already live in CPU memory; nothing to offload")
+        offload_policy = None
+    kwargs = {"mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload_policy or OffloadPolicy()}
+    ignored = _expert_params_over_batches(model, dp_mesh)
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # the last layer is the first that backward needs: resharding it after forward would only re-gather it
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward and i < len(layers) - 1,
+                    ignored_params=ignored or None, **kwargs)
+    for module, reshard in _embedding_units(model):
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard and reshard_after_forward,
+                    ignored_params=ignored or None, **kwargs)
+        if reshard and _lookup_only(module):
+            module.set_unshard_in_backward(False)  # a lookup's gradient needs the indices, not the table
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None,
+                **kwargs)
+    if not any(p.is_meta for p in ignored):
+        divide_expert_gradients(model)
+    setattr(model, MODEL_FSDP_MANAGED, True)  # transformers' generate then keeps the data-parallel ranks in step
+    model.hf_moe_tp_dp_mesh = dp_mesh
+    return model
+
+
+def _embedding_units(model: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """The input and output embeddings as units of their own (torchtitan's grouping), unless tied (one
+    parameter, so both stay in the root): the input's is gathered for the first op of forward and again for
+    the last of backward; the output projection, last in forward and first in backward, is kept gathered
+    between the two (``False``: no reshard after forward)."""
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    units = [(m, reshard) for m, reshard in ((inputs, True), (outputs, False)) if isinstance(m, nn.Module)]
+    if len(units) == 2 and any(p is q for p in inputs.parameters() for q in outputs.parameters()):
+        return []
+    return units
+
+
+def _lookup_only(module: nn.Module) -> bool:
+    """An embedding whose one parameter is its table: its backward scatters the output's gradient by index and
+    never reads the table, so FSDP2 need not gather it again for backward."""
+    return isinstance(module, nn.Embedding) and list(module.parameters()) == [module.weight]
+
+
+def _expert_params_over_batches(model: nn.Module, dp_mesh: DeviceMesh) -> set[nn.Parameter]:
+    """Parameters on a 2-D mesh with an ``"ep"`` dimension (the ``(ep, tp)`` layout): whole experts per rank,
+    fed every ep rank's tokens. FSDP2 leaves them; :func:`divide_expert_gradients` averages their gradients."""
+    out = {p for p in model.parameters() if _over_batches(p)}
+    if out and dp_mesh.size() != next(iter(out)).device_mesh["ep"].size():
+        raise ValueError(f"FSDP over {dp_mesh.size()} ranks with experts over an 'ep' dimension of "
+                         f"{next(iter(out)).device_mesh['ep'].size()}: the data-parallel ranks must be the ep ranks")
+    return out
+
+
+def divide_expert_gradients(model: nn.Module) -> None:
+    """Divide the gradients of experts over an ``"ep"`` dimension that carries the batches by its size, as FSDP2
+    divides the rest (a hook per parameter; idempotent). A hook belongs to the parameter object, so this runs
+    once the parameters are allocated: the loader replaces meta parameters with new ones."""
+    for p in filter(_over_batches, model.parameters()):
+        if p.is_meta:
+            raise RuntimeError("divide_expert_gradients before the parameters are loaded: a hook on a meta "
+                               "parameter is lost when the loader allocates it")
+        if p.requires_grad and not getattr(p, "_hf_moe_tp_divided", False):
+            size = p.device_mesh["ep"].size()
+            p.register_hook(lambda g, size=size: g / size)
+            p._hf_moe_tp_divided = True
+
+
+def _over_batches(p: nn.Parameter) -> bool:
+    """A parameter on a 2-D mesh with an ``"ep"`` dimension: whole experts per rank, fed every ep rank's tokens."""
+    return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ()) and p.device_mesh.ndim > 1

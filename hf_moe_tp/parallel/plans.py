@@ -1,0 +1,318 @@
+"""Tensor-parallel plans: which parallel style each module of a model gets.
+
+``tp_plan(model, tp_size)`` follows the model's own transformers plan for attention, dense MLPs, shared
+experts, embeddings and ``lm_head`` where the sizes divide by the TP size, gives every GroupedExperts
+``TensorParallel`` and every router ``NoParallel``. ``apply_plan`` applies a plan with ``parallelize_module``
+and makes every parameter left over a replicated DTensor, so the whole model lives on one mesh. Those modules
+(norms, unsplit embeddings) compute replicated on their local tensors (``LocalParams``), with no DTensor
+dispatch in the hot path and no mixing of plain tensors and DTensors in code that does not expect them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+from transformers import PretrainedConfig
+
+from .._compat import MODEL_TP_PLAN, from_config
+from .expert_parallel import ExpertParallel
+from .experts import GroupedExperts
+from .hf_plan import entries, heads_divide, matches
+from .linear import ColumnParallel, RowParallel
+from .load_balance import track_expert_load
+from .loss import split_loss
+from .styles import (
+    LocalDuringCall,
+    LocalParams,
+    NoParallel,
+    TensorParallel,
+    VocabParallelEmbedding,
+    swap_to_local,
+)
+from .towers import FEATURE_METHODS, owning_config, towers
+
+# transformers' plan names -> torch styles. Expert entries are ours (TensorParallel on GroupedExperts).
+HF_STYLES = {
+    "colwise": lambda: ColumnParallel(),
+    "rowwise": lambda: RowParallel(),
+    "colwise_gather_output": lambda: ColumnParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda: VocabParallelEmbedding(),
+    "replicated_with_grad_allreduce": lambda: LocalParams(),
+    # transformers 5.25: query/key/value projections that "own at least one head" per rank, replicating head
+    # groups where the heads do not divide. Where they divide that is plain column/row-wise; where they do not,
+    # ``_divides`` keeps the whole attention replicated, as for every other family.
+    "unit_colwise": lambda: ColumnParallel(),
+    "unit_rowwise": lambda: RowParallel(),
+}
+# transformers' plan names we read elsewhere or deliberately leave whole (each module then a replicated DTensor,
+# which computes what one process computes): anything else in a family's plan is refused by name, since skipping
+# one projection of a split attention (say its key/value) would compute silently wrong numbers.
+HF_STYLES_HANDLED_ELSEWHERE = {
+    "mla_kv_a_proj": "hf_plan.mla_entries",
+    "local_params": "hf_plan.local_params_entries",
+    "replicate": "kept whole, as transformers keeps it",
+    "embedding_colwise": "kept whole: a whole embedding gives the same output",
+    # transformers 5.24 (Inkling's shared expert): all-reduce a block's partial output; our row-wise styles reduce
+    # their own outputs, so the block's output is whole already
+    "all_reduce": "row-wise outputs are reduced by the row-wise style itself",
+    # expert entries: experts are GroupedExperts under our own styles
+    "moe_tp_experts": "experts", "packed_colwise": "experts", "packed_rowwise": "experts",
+    "grouped_gemm": "experts", "ep_dispatch_experts": "experts",
+}
+# Our styles by name, so plans can be written as strings too (and registered in transformers' ParallelInterface).
+STYLE_NAMES = {
+    "hf_moe_tp_experts": lambda: TensorParallel(),
+    "hf_moe_tp_expert_parallel": lambda: ExpertParallel(),
+    "hf_moe_tp_router": lambda: NoParallel(),
+    "hf_moe_tp_replicated": lambda: LocalParams(sum_grads=False),
+    "hf_moe_tp_local_sum_grads": lambda: LocalParams(),
+}
+ROUTER_NAMES = ("gate", "router")
+
+
+def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, ep_size: int | None = None,
+            loss_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The default plan for ``model`` (with GroupedExperts swapped in), or for the causal-LM model that
+    ``config`` describes: module name -> style.
+
+    Experts get ``TensorParallel`` (each expert split by its hidden size), or with ``ep_size`` > 1
+    ``ExpertParallel`` (whole experts per rank); everything else is planned for ``tp_size`` either way.
+
+    ``tp_size`` (default: the world size when a process group exists) decides which of transformers' entries
+    can be kept: a linear layer is split only when the split size divides (heads for attention, features for
+    MLPs, the vocabulary for embeddings); otherwise it stays replicated. An untied output projection that
+    transformers' plan leaves out is split over the vocabulary too. Tied input/output embeddings stay
+    replicated.
+
+    ``loss_parallel``: the split output projection keeps its logits split over the vocabulary in training-mode
+    forwards with labels (:mod:`hf_moe_tp.parallel.loss`, installed by :func:`apply_plan`): exactly
+    ``from_pretrained(loss_parallel=True)``. A model whose output projection is not split (tied embeddings, a
+    vocabulary that does not divide) is refused by name.
+    """
+    if isinstance(model, PretrainedConfig):
+        model = meta_model(model)
+    if tp_size is None and torch.distributed.is_initialized():
+        tp_size = torch.distributed.get_world_size()
+    modules = dict(model.named_modules())
+    plan: dict[str, ParallelStyle] = {}
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    family_plan = getattr(model, MODEL_TP_PLAN, None) or {}
+    unknown = {p: st for p, st in family_plan.items() if st not in HF_STYLES and st not in HF_STYLES_HANDLED_ELSEWHERE}
+    if unknown and tp_size is not None and tp_size > 1:
+        model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise NotImplementedError(f"{model_type}: transformers' tensor-parallel plan uses style(s) hf_moe_tp does not "
+                                  f"translate: {unknown}; splitting the rest would compute wrong numbers. Load it "
+                                  f"with tp_plan=None (replicated), or add a translation "
+                                  "in hf_moe_tp/parallel/plans.py")
+    for pattern, style_name in family_plan.items():
+        if style_name not in HF_STYLES:
+            continue
+        for name in _match(pattern, modules):
+            module = modules[name]
+            if _inside_experts(name, modules) or (tied and isinstance(module, nn.Embedding | nn.Linear)
+                                                  and _is_embedding_or_head(name, model)):
+                continue
+            if tp_size is None or _divides(name, module, style_name, owning_config(model, name), tp_size):
+                plan[name] = HF_STYLES[style_name]()
+    head = output_embedding_name(model)
+    if (head and head not in plan and not tied and tp_size and isinstance(modules[head], nn.Linear)
+            and modules[head].out_features % tp_size == 0):
+        plan[head] = HF_STYLES["colwise_gather_output"]()  # families whose transformers plan leaves it whole
+    from model_patches import adapter_for
+
+    plan.update(entries(model, tp_size))
+    plan.update(adapter_for(model).plan_entries(model, tp_size))
+    plan.update(sink_entries(model, plan))
+    for name, module in modules.items():
+        if isinstance(module, GroupedExperts):
+            plan[name] = ExpertParallel() if ep_size and ep_size > 1 else TensorParallel()
+            parent = name.rpartition(".")[0]
+            for router in ROUTER_NAMES:
+                rname = f"{parent}.{router}" if parent else router
+                if rname in modules and rname not in plan:
+                    plan[rname] = NoParallel()
+    if loss_parallel:
+        plan[head] = loss_parallel_head(model, plan.get(head), head)
+    return plan
+
+
+def loss_parallel_head(model: nn.Module, style: ParallelStyle | None, head: str | None) -> ColumnParallel:
+    """``style`` (the output projection's) made to keep the logits split in training (``loss_parallel``); it must
+    be a gathering :class:`ColumnParallel`."""
+    if not (isinstance(style, ColumnParallel) and style.output_layouts[0] == Replicate()):
+        why = "tied to the input embeddings or its vocabulary does not divide" if style is None else f"is {style!r}"
+        raise ValueError(f"loss_parallel=True needs the output projection ({head}) split over the vocabulary by a "
+                         f"gathering ColumnParallel, but in this plan it {why}; load without loss_parallel")
+    return ColumnParallel(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                          use_local_output=style.use_local_output, keep_split_in_training=True)
+
+
+def output_embedding_name(model: nn.Module) -> str | None:
+    """The qualified name of ``model``'s output projection (``lm_head``), if it has one."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return next((name for name, module in model.named_modules() if module is head), None) if head else None
+
+
+def sink_entries(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """Per-head attention sinks (GPT-OSS, GraniteMoE-SWA, MiMo-V2-Flash, ...) split with their heads: an
+    attention module whose query projection the plan splits keeps its ``sinks`` as local ``Shard(0)`` pieces."""
+    out = {}
+    for name, module in model.named_modules():
+        sinks = getattr(module, "sinks", None)
+        if isinstance(sinks, nn.Parameter) and sinks.dim() == 1 and isinstance(plan.get(f"{name}.q_proj"),
+                                                                              ColwiseParallel):
+            out[name] = LocalParams(placements={"sinks": Shard(0)}, sum_grads=False)
+    return out
+
+
+def meta_model(config: PretrainedConfig, model_class: type | None = None, dtype: torch.dtype | None = None,
+               attn_implementation: str | None = None) -> nn.Module:
+    """The model ``config`` describes, on the meta device (buffers real), with GroupedExperts swapped in."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from model_patches import adapter_for
+
+    cls = model_class or declared_class(config) or AutoModelForCausalLM
+    with init_empty_weights(include_buffers=False):
+        kwargs = {"dtype": dtype} if dtype is not None else {}
+        if attn_implementation is not None:  # validated by transformers as for its own from_pretrained
+            kwargs["attn_implementation"] = attn_implementation
+        model = from_config(cls, config, **kwargs)
+    model.tie_weights()  # transformers ties after loading; the plan needs the ties now
+    adapter_for(model).swap_experts(model)
+    return model
+
+
+def declared_class(config: PretrainedConfig) -> type | None:
+    """The model class the checkpoint declares (``config.architectures``), where transformers registers it for
+    this config in one of its Auto mappings (a vision-language checkpoint's ``...ForConditionalGeneration``,
+    say); ``None`` when it declares none that maps."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    registered = {name for attr in dir(modeling_auto) if attr.startswith("MODEL_") and attr.endswith("_MAPPING_NAMES")
+                  for name in _names(getattr(modeling_auto, attr).get(config.model_type))}
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        config_class = getattr(cls, "config_class", None)
+        if name in registered and isinstance(config_class, type) and isinstance(config, config_class):
+            return cls
+    return None
+
+
+def _names(entry) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def resolve_plan(plan: dict[str, ParallelStyle | str]) -> dict[str, ParallelStyle]:
+    """Plan values given as names (ours or transformers') turned into styles."""
+    out = {}
+    for name, style in plan.items():
+        if isinstance(style, str):
+            factory = STYLE_NAMES.get(style) or HF_STYLES.get(style)
+            if factory is None:
+                raise ValueError(f"unknown parallel style {style!r} for {name!r}; known: "
+                                 f"{sorted(STYLE_NAMES) + sorted(HF_STYLES)}")
+            style = factory()
+        out[name] = style
+    return out
+
+
+def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle | str],
+               ep_mesh: DeviceMesh | None = None) -> nn.Module:
+    """Apply ``plan`` (names or ``*`` patterns -> styles or style names), then replicate every parameter left
+    as a plain tensor. ``ExpertParallel`` entries go on ``ep_mesh`` when given (a 2-D ``(ep, tp)`` mesh whose
+    ``tp`` dimension is ``mesh``), on ``mesh`` otherwise. Where the output projection is split over the
+    vocabulary, forwards with labels take the loss from the split logits (:func:`hf_moe_tp.parallel.loss.split_loss`;
+    ``model.hf_moe_tp_split_loss`` says whether). Every GroupedExperts counts its tokens
+    (:func:`hf_moe_tp.expert_load`). Changes no other library: the public :func:`hf_moe_tp.apply_plan`
+    (:func:`hf_moe_tp.pretrained.apply_plan`) is this after switching the integrations on."""
+    plan = resolve_plan(plan)
+    every = dict(plan)
+    if ep_mesh is not None:
+        experts = {k: v for k, v in plan.items() if isinstance(v, ExpertParallel)}
+        parallelize_module(model, ep_mesh, experts)
+        plan = {k: v for k, v in plan.items() if k not in experts}
+    parallelize_module(model, mesh, plan)
+    leftovers = {}
+    for name, module in model.named_modules():
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            leftovers[name] = LocalParams(sum_grads=False)
+    if leftovers:
+        parallelize_module(model, mesh, leftovers)
+    # parameters of local-compute modules appear local for the whole forward, whoever reads them
+    resolved = {**plan, **leftovers}
+    # each module keeps the style it got, for rooms that add layers beside it (hf_moe_tp.integrations.lora places
+    # adapters so)
+    patterns = [(p, s) for p, s in every.items() if "*" in p]
+    for name, module in model.named_modules():
+        style = leftovers.get(name) or every.get(name) or next((s for p, s in patterns if matches(name, p)), None)
+        if style is not None:
+            module.hf_moe_tp_style = style
+    local = [(module, n) for name, module in model.named_modules()
+             if isinstance(style := _style_for(name, resolved), LocalParams) and not style.sum_grads
+             for n, p in module.named_parameters(recurse=False) if p is not None]
+    if local:
+        swap_to_local(model, local)
+        # transformers' generate runs the towers outside the model's forward (get_image_features): the same there
+        for tower in towers(model).values():
+            inside = {id(m) for m in tower.modules()}
+            swap_to_local(tower, [(m, n) for m, n in local if id(m) in inside])
+        for module in model.modules():  # and the parameters its feature methods read off their own module
+            names = [n for m, n in local if m is module]
+            for method in FEATURE_METHODS:
+                if names and callable(getattr(type(module), method, None)):
+                    setattr(module, method, LocalDuringCall(module, method, names))
+    model.hf_moe_tp_split_loss = split_loss(model, every)
+    track_expert_load(model)
+    return model
+
+
+def _style_for(name: str, plan: dict[str, ParallelStyle]) -> ParallelStyle | None:
+    if name in plan:
+        return plan[name]
+    for pattern, style in plan.items():
+        if "*" in pattern and matches(name, pattern):
+            return style
+    return None
+
+
+def _match(pattern: str, modules: dict[str, nn.Module]) -> list[str]:
+    return [n for n in modules if matches(n, pattern)]
+
+
+def _inside_experts(name: str, modules: dict[str, nn.Module]) -> bool:
+    parts = name.split(".")
+    return any(isinstance(modules.get(".".join(parts[:i])), GroupedExperts) for i in range(1, len(parts) + 1))
+
+
+def _is_embedding_or_head(name: str, model: nn.Module) -> bool:
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    module = model.get_submodule(name)
+    return module is inputs or module is outputs
+
+
+def _divides(name: str, module: nn.Module, style_name: str, config, tp_size: int) -> bool:
+    """Whether ``module`` splits evenly into ``tp_size`` along the dim its style splits. A per-head norm
+    (``replicated_with_grad_allreduce``) goes with its attention: local only when the heads are split."""
+    if ("attn" in name or "attention" in name) and not heads_divide(config, tp_size):
+        return False
+    if style_name == "replicated_with_grad_allreduce":
+        return True
+    if isinstance(module, nn.Embedding):
+        return module.num_embeddings % tp_size == 0
+    if isinstance(module, nn.Linear):
+        rowwise = style_name.startswith("rowwise")
+        return (module.in_features if rowwise else module.out_features) % tp_size == 0
+    return False

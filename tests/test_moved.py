@@ -1,0 +1,188 @@
+"""The subpackage layout (issue 31): the old module paths still import for one release, with a FutureWarning, as
+the very module they moved to; the public names resolve; the core imports nothing from the layers above it.
+In one process, no ranks."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+import hf_moe_tp
+from hf_moe_tp import _moved
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "hf_moe_tp"
+
+# subpackage -> the layers above it, which none of its modules may import (not even inside a function)
+ABOVE = {
+    "runtime": ("parallel", "checkpoint", "integrations", "pretrained", "cli"),
+    "parallel": ("checkpoint", "integrations", "pretrained", "cli"),
+    "checkpoint": ("integrations", "pretrained", "cli"),
+    "integrations": ("cli",),  # (install routes transformers' loader to hf_moe_tp.pretrained: allowed upwards)
+}
+
+
+def _forget(old: str) -> None:
+    """As if the old path had never been imported in this process."""
+    sys.modules.pop(f"hf_moe_tp.{old}", None)
+    vars(hf_moe_tp).pop(old, None)  # (``install``: the public function is resolved again on next use)
+
+
+@pytest.fixture
+def forget():
+    olds = []
+    yield olds.append
+    for old in olds:
+        _forget(old)
+
+
+@pytest.mark.parametrize("old", sorted(_moved.MOVED))
+def test_old_path_warns_and_is_the_new_module(old, forget):
+    new = _moved.MOVED[old]
+    module = importlib.import_module(new)
+    forget(old)
+    _forget(old)
+    with pytest.warns(FutureWarning, match=re.escape(f"hf_moe_tp.{old} moved to {new}")):
+        got = importlib.import_module(f"hf_moe_tp.{old}")
+    assert got is module and sys.modules[f"hf_moe_tp.{old}"] is module
+    assert module.__name__ == new and module.__spec__.name == new  # the module itself is left as it was
+    assert not (PACKAGE / f"{old}.py").exists()
+
+
+@pytest.mark.parametrize("old", sorted(set(_moved.MOVED) - set(hf_moe_tp._EXPORTS)))
+def test_old_path_as_an_attribute_and_in_from_imports(old, forget):
+    module = importlib.import_module(_moved.MOVED[old])
+    forget(old)
+    _forget(old)
+    with pytest.warns(FutureWarning, match=re.escape(f"hf_moe_tp.{old} moved to")):
+        assert getattr(hf_moe_tp, old) is module
+    _forget(old)
+    with pytest.warns(FutureWarning, match=re.escape(f"hf_moe_tp.{old} moved to")):
+        exec(f"from hf_moe_tp import {old} as got", namespace := {})
+    assert namespace["got"] is module
+
+
+def test_a_patch_through_the_old_path_patches_the_module(forget):
+    from hf_moe_tp.parallel import plans
+
+    forget("plans")
+    _forget("plans")
+    with pytest.warns(FutureWarning), mock.patch("hf_moe_tp.plans.track_expert_load", "patched"):
+        assert plans.track_expert_load == "patched"
+    assert plans.track_expert_load != "patched"
+
+
+def test_the_public_name_install_stays_the_function():
+    assert callable(hf_moe_tp.install) and hf_moe_tp.install.__module__ == "hf_moe_tp.integrations.install"
+
+
+def test_checkpoint_and_cli_are_the_packages_and_give_what_the_old_modules_did():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from hf_moe_tp.checkpoint import INDEX_FILE, SINGLE_FILE, ST_DTYPES, Checkpoint, CheckpointError, TensorInfo
+        from hf_moe_tp.cli import main
+    from hf_moe_tp.checkpoint import files
+
+    assert (Checkpoint, CheckpointError, TensorInfo) == (files.Checkpoint, files.CheckpointError, files.TensorInfo)
+    assert (INDEX_FILE, SINGLE_FILE, ST_DTYPES) == (files.INDEX_FILE, files.SINGLE_FILE, files.ST_DTYPES)
+    assert main.__module__ == "hf_moe_tp.cli.main" and "checkpoint" not in _moved.MOVED and "cli" not in _moved.MOVED
+
+
+def test_the_finder_answers_for_the_old_names_alone_and_is_installed_once():
+    finder = _moved.MovedFinder()
+    assert finder.find_spec("hf_moe_tp.plans") is not None
+    for name in ("hf_moe_tp.parallel.plans", "hf_moe_tp.nothing", "plans", "other.plans", "hf_moe_tp.parallel.x"):
+        assert finder.find_spec(name) is None, name
+    _moved.install()
+    _moved.install()
+    assert sum(getattr(f, "hf_moe_tp_moved", False) for f in sys.meta_path) == 1
+
+
+def test_every_new_path_in_the_table_is_a_module():
+    for new in _moved.MOVED.values():
+        assert importlib.util.find_spec(new) is not None, new
+
+
+def test_public_names_resolve():
+    for name in hf_moe_tp.__all__:
+        value = getattr(hf_moe_tp, name)
+        assert value.__module__ == f"hf_moe_tp.{hf_moe_tp._EXPORTS[name]}", name
+    from hf_moe_tp import pretrained
+    from hf_moe_tp.parallel import plans
+
+    # the public apply_plan switches the integrations on, then applies the core plan: same signature
+    assert hf_moe_tp.apply_plan is pretrained.apply_plan is not plans.apply_plan
+    assert inspect.signature(pretrained.apply_plan) == inspect.signature(plans.apply_plan)
+
+
+def test_import_and_the_subpackages_import_no_torch():
+    """``import hf_moe_tp`` and each subpackage's ``__init__`` stay light (tests/test_cli.py: ``--help``)."""
+    probe = ("import sys, hf_moe_tp, hf_moe_tp.runtime, hf_moe_tp.parallel, hf_moe_tp.checkpoint, "
+             "hf_moe_tp.integrations, hf_moe_tp.cli\n"
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == ["[]"], done.stdout + done.stderr
+
+
+def _imported(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Every hf_moe_tp module ``source`` (the text of ``module``) imports: top level, inside functions, relative
+    imports resolved, and ``importlib.import_module("...")`` with a constant name."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) if node.level \
+                else node.module
+            if node.module:
+                found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)  # ``from .. import integrations``
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) ==
+              "import_module" and node.args and isinstance(node.args[0], ast.Constant)):
+            name = node.args[0].value
+            found.add(importlib.util.resolve_name(name, package) if name.startswith(".") else name)
+    return {name for name in found if name == "hf_moe_tp" or name.startswith("hf_moe_tp.")}
+
+
+def _violations(imported: set[str], layer: str) -> list[str]:
+    """``import hf_moe_tp`` counts too: the public names behind it are above every core layer."""
+    return sorted({name for name in imported for above in ABOVE[layer] if name == "hf_moe_tp"
+                   or name == f"hf_moe_tp.{above}" or name.startswith(f"hf_moe_tp.{above}.")})
+
+
+@pytest.mark.parametrize("layer", sorted(ABOVE))
+def test_layers_import_nothing_from_above(layer):
+    """runtime < parallel < checkpoint < integrations < cli (hf_moe_tp.pretrained above integrations)."""
+    paths = sorted((PACKAGE / layer).rglob("*.py"))
+    assert paths
+    found = {}
+    for path in paths:
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        module = ".".join(parts[:-1] if is_package else parts)
+        bad = _violations(_imported(path.read_text(), module, is_package), layer)
+        if bad:
+            found[str(path.relative_to(ROOT))] = bad
+    assert found == {}
+
+
+def test_the_layering_check_sees_imports_inside_functions():
+    source = ("from ..runtime.launch import run_on_ranks\n"
+              "def f():\n    from ..integrations.switch import enable\n    from .. import cli\n"
+              "    importlib.import_module('hf_moe_tp.pretrained')\n    import hf_moe_tp\n")
+    imported = _imported(source, "hf_moe_tp.parallel.plans")
+    assert _violations(imported, "parallel") == ["hf_moe_tp", "hf_moe_tp.cli", "hf_moe_tp.integrations.switch",
+                                                 "hf_moe_tp.integrations.switch.enable", "hf_moe_tp.pretrained"]
+    assert _violations(imported, "integrations") == ["hf_moe_tp", "hf_moe_tp.cli"]
