@@ -15,6 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import _moved
+from ._lazy import submodule
 
 # The old module paths (hf_moe_tp.plans -> hf_moe_tp.parallel.plans, ...): a finder first on sys.meta_path
 # (once per process) that answers for those names under hf_moe_tp and returns None for every other import, so
@@ -75,12 +76,7 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     if module is None:  # a subpackage (``hf_moe_tp.parallel``), as the eager package gave it after import
-        try:
-            return importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+        return submodule(__name__, name)
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # once: later lookups are plain attribute reads
     return value

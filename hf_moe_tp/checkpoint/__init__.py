@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .._lazy import submodule
+
 # what the old module hf_moe_tp.checkpoint gave its users, now in .files
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "ST_DTYPES", "Checkpoint", "CheckpointError", "TensorInfo"]
 _FILES = frozenset(__all__)
@@ -23,12 +25,7 @@ _FILES = frozenset(__all__)
 
 def __getattr__(name: str) -> Any:
     if name not in _FILES:  # a submodule on first use (``hf_moe_tp.checkpoint.loading``), as ``hf_moe_tp`` does
-        try:
-            return importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+        return submodule(__name__, name)
     value = getattr(importlib.import_module(".files", __name__), name)
     globals()[name] = value  # once: later lookups are plain attribute reads
     return value

@@ -9,18 +9,13 @@ script is ``hf_moe_tp.cli:main``, ``python -m hf_moe_tp.cli`` runs :mod:`.__main
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
+from .._lazy import submodule
 from .main import main
 
 __all__ = ["main"]
 
 
 def __getattr__(name: str) -> Any:  # a submodule on first use (hf_moe_tp.cli.demo), as hf_moe_tp does
-    try:
-        return importlib.import_module(f".{name}", __name__)
-    except ModuleNotFoundError as e:
-        if e.name != f"{__name__}.{name}":
-            raise
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    return submodule(__name__, name)

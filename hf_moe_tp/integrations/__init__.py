@@ -10,14 +10,10 @@ transformers' loader to ours). Never ``cli``. This ``__init__`` imports nothing 
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from .._lazy import submodule
 
 
 def __getattr__(name: str) -> Any:  # a submodule on first use (hf_moe_tp.integrations.lora), as hf_moe_tp does
-    try:
-        return importlib.import_module(f".{name}", __name__)
-    except ModuleNotFoundError as e:
-        if e.name != f"{__name__}.{name}":
-            raise
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    return submodule(__name__, name)
