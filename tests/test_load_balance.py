@@ -81,6 +81,12 @@ def test_expert_load_matches_one_process(ranks, qwen3_moe, layout):
     assert expected.sum(dim=1).tolist() == [(BATCH * SEQ - 2 * PAD) * 2] * expected.shape[0]  # top-2, no padding
 
 
+def test_reset_of_the_total_refused():
+    """The total counts since tracking began: a reset of it is refused by name, not ignored."""
+    with pytest.raises(ValueError, match="total=True, reset=True"):
+        hf_moe_tp.expert_load(torch.nn.Linear(1, 1), total=True, reset=True)
+
+
 def test_load_summary():
     load = torch.tensor([[4, 4, 4, 4], [16, 0, 0, 0]])
     summary = hf_moe_tp.load_summary(load)

@@ -35,9 +35,11 @@ _MASK = "_hf_moe_tp_token_mask"  # the root model's current forward's non-paddin
 
 @dataclass
 class _Counts:
-    since_reset: torch.Tensor | None = None  # (num_experts,) int64, on the tokens' device
-    total: torch.Tensor | None = None
-    since_update: torch.Tensor | None = None  # since the last expert-bias update (auxiliary-loss-free balancing)
+    total: torch.Tensor | None = None  # (num_experts,) int64 since tracking began, on the tokens' device
+    # ``total`` when last read with reset, and at the last expert-bias update (auxiliary-loss-free balancing):
+    # the counts since then are the difference, so a forward adds to one counter only
+    at_reset: torch.Tensor | None = None
+    at_update: torch.Tensor | None = None
 
 
 def track_expert_load(model: nn.Module) -> None:
@@ -59,7 +61,10 @@ def expert_load(model: nn.Module, *, reset: bool = False, total: bool = False) -
     """Tokens routed to each expert, ``(MoE layers, experts)`` int64 on the CPU, in the order of
     ``model.modules()``: since the last ``reset=True`` read (or since tracking began), or with ``total`` since
     tracking began. Every rank of the job must call it (one all-reduce); all get the same counts."""
-    return _gather(model, "total" if total else "since_reset", reset).cpu()
+    if total and reset:
+        raise ValueError("expert_load(total=True, reset=True): the total counts since tracking began and is never "
+                         "reset; reset=True moves the mark of the counts read without total")
+    return _gather(model, None if total else "at_reset", reset).cpu()
 
 
 def _tracked(model: nn.Module) -> list[GroupedExperts]:
@@ -69,24 +74,22 @@ def _tracked(model: nn.Module) -> list[GroupedExperts]:
     return experts
 
 
-def _gather(model: nn.Module, counter: str, reset: bool) -> torch.Tensor:
-    """One counter of every tracked layer, summed over the job's batches (each counted once), on the counters'
-    device; ``reset`` zeroes it after."""
+def _gather(model: nn.Module, since: str | None, reset: bool) -> torch.Tensor:
+    """Every tracked layer's counts since the snapshot ``since`` (``"at_reset"``, ``"at_update"``; None: since
+    tracking began), summed over the job's batches (each counted once), on the counters' device; ``reset`` moves
+    that snapshot to now."""
     layers = [getattr(m, STATE) for m in _tracked(model)]
     sizes = [m.num_experts for m in _tracked(model)]
     device = next((c.total.device for c in layers if c.total is not None), torch.device("cpu"))
     counts = torch.zeros(len(layers), max(sizes), dtype=torch.long, device=device)
     for i, c in enumerate(layers):
-        found = getattr(c, counter)
-        if found is not None:
-            counts[i, : found.numel()] = found
+        if c.total is not None:
+            counts[i, : c.total.numel()] = c.total if since is None else c.total - getattr(c, since)
+            if reset and since is not None:
+                setattr(c, since, c.total.clone())
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(counts)
         counts //= dist.get_world_size() // data_parallel_rank(model)[1]  # each batch's tokens, counted once
-    if reset:
-        for c in layers:
-            if getattr(c, counter) is not None:
-                getattr(c, counter).zero_()
     return counts
 
 
@@ -159,15 +162,14 @@ def _counter(model: nn.Module):
         c: _Counts = getattr(module, STATE)
         if c.total is None or c.total.device != index.device:
             c.total = torch.zeros(module.num_experts, dtype=torch.long, device=index.device)
-            c.since_reset, c.since_update = torch.zeros_like(c.total), torch.zeros_like(c.total)
+            c.at_reset, c.at_update = torch.zeros_like(c.total), torch.zeros_like(c.total)
         mask = getattr(model, _MASK, None)
         with torch.no_grad():
             flat = index.reshape(-1).long()
             ones = torch.ones_like(flat)
             if mask is not None and mask.numel() == index.shape[0]:  # padding tokens do not count
                 ones = ones * mask.to(flat.device).repeat_interleave(index.shape[1]).long()
-            for counter in (c.since_reset, c.total, c.since_update):
-                counter.scatter_add_(0, flat, ones)
+            c.total.scatter_add_(0, flat, ones)
 
     return count
 
@@ -219,7 +221,7 @@ def update_expert_biases(model: nn.Module, rate: float | None = None) -> None:
     """One application of the rule (what the optimizer-step hook of :func:`balance_experts` runs); every rank
     must call it. Loads are those since the previous update."""
     rate = getattr(model, _RATE) if rate is None else rate
-    load = _gather(model, "since_update", reset=True).double()
+    load = _gather(model, "at_update", reset=True).double()
     with torch.no_grad():
         for i, bias in enumerate(expert_biases(model)):
             if bias is None:
