@@ -42,9 +42,12 @@ def test_demo(tmp_path):
     assert len(rows) == 2 and all(row[-1] == "same" for row in rows)
 
 
-def test_inspect_reads_no_weights(deepseek):
-    done = run(*CLI, "inspect", str(deepseek), "--tp", "2")
-    out = done.stdout
+def test_inspect_reads_no_weights(deepseek, capsys):
+    """In this process (inspect plans on a fake process group, no ranks)."""
+    from hf_moe_tp.cli.main import main
+
+    assert main(["inspect", str(deepseek), "--tp", "2"]) == 0
+    out = capsys.readouterr().out
     assert "family: deepseek_v3" in out and "adapter: generic" in out and "per-expert keys on disk" in out
     assert re.search(r"model\.layers\.\*\.mlp\.experts\s+TensorParallel\(\)", out)
     assert re.search(r"model\.layers\.\*\.mlp\.gate\s+NoParallel\(\)", out)
@@ -53,17 +56,31 @@ def test_inspect_reads_no_weights(deepseek):
     assert "quantization: none" in out
 
 
+@pytest.mark.parametrize("ep_size", [None, 2])
+def test_generate_on_ranks_already_running(ranks, deepseek, ep_size):
+    """The body of `generate` on each rank (what torchrun's ranks run), greedy, TP 2 or EP 2: the same tokens as
+    transformers in one process, printed by rank 0 only. The command itself, starting its ranks or under
+    torchrun: the slow tests below."""
+    from hf_moe_tp.cli.generation import generate_rank
+
+    texts = ranks(2).run(generate_rank, str(deepseek), None, [5, 6, 7], 16, None, ep_size)
+    assert texts == [f"generated ids: {expected_tokens(deepseek, [5, 6, 7])}", None]
+
+
+@pytest.mark.slow
 def test_generate_starts_its_own_ranks(deepseek):
     done = run(*CLI, "generate", str(deepseek), "--tp", "2", "--ids", "5", "6", "7")
     assert done.stdout.strip().splitlines()[-1] == f"generated ids: {expected_tokens(deepseek, [5, 6, 7])}"
 
 
+@pytest.mark.slow
 def test_generate_expert_parallel(deepseek):
     """--ep-size: whole experts per rank; the same greedy tokens as one process."""
     done = run(*CLI, "generate", str(deepseek), "--tp", "2", "--ep-size", "2", "--ids", "5", "6", "7")
     assert done.stdout.strip().splitlines()[-1] == f"generated ids: {expected_tokens(deepseek, [5, 6, 7])}"
 
 
+@pytest.mark.slow
 def test_generate_under_torchrun(deepseek):
     """Under torchrun it joins the process group torchrun describes instead of starting ranks."""
     done = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -132,6 +132,7 @@ def test_accelerate_parallelism_config_mesh(ranks, mixtral):
         assert r["diff"] <= FP32_TOL and r["placements"] == (Shard(2),) and r["mesh_size"] == 2, r
 
 
+@pytest.mark.slow
 def test_accelerate_launch(mixtral):
     """The example runs under `accelerate launch --multi_gpu --num_processes 2` (MULTI_CPU, gloo)."""
     import socket
@@ -153,6 +154,7 @@ def test_accelerate_launch(mixtral):
     assert line == f"TOKENS 2 {expected}"
 
 
+@pytest.mark.slow
 def test_accelerate_notebook_launcher_on_cpu(tmp_path):
     """accelerate's notebook_launcher(fn, num_processes=2) on CPU: hf_moe_tp.from_pretrained inside fn joins the
     2-process group it starts and loads at TP=2, logits within 1e-5 of one process on both ranks."""

@@ -28,6 +28,7 @@ def test_results_in_rank_order(ranks):
     assert out == [(0, 3.0), (1, 3.0)]
 
 
+@pytest.mark.slow
 def test_failure_names_rank_and_traceback():
     with RankPool(2, timeout=60) as pool:
         start = time.monotonic()
@@ -41,6 +42,7 @@ def test_failure_names_rank_and_traceback():
         assert pool.run(_rank_and_sum) == [(0, 3.0), (1, 3.0)]  # restarted after the failure
 
 
+@pytest.mark.slow
 def test_hang_times_out():
     with RankPool(2, timeout=60) as pool:
         pool.run(_rank_and_sum)
@@ -70,6 +72,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow
 def test_a_scripts_functions_go_by_name(tmp_path):
     """A script's own function reaches the ranks by name (they import the script), whatever globals it uses;
     a lambda still goes by value."""

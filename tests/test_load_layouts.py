@@ -98,6 +98,7 @@ def test_each_rank_reads_its_final_shard(ranks, checkpoints, kind, layout):
     _check(ranks(4).run(_load, *checkpoints(kind), LAYOUTS[layout]), layout)
 
 
+@pytest.mark.slow
 def test_hsdp_with_tp_on_8_ranks(ranks, checkpoints):
     """dp_replicate 2 x dp_shard 2 x tp 2, the first replica reading for both."""
     layout = "dp_replicate2_dp2_tp2_read_once"

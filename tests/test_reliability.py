@@ -169,6 +169,7 @@ def test_deterministic_run_to_run(ranks, good):
     assert first == second and first[0] == first[1]
 
 
+@pytest.mark.slow
 def test_rank_killed_during_loading_under_torchrun(good):
     """SIGKILL of rank 1 mid-load: torchrun's agent sees the dead worker and stops the survivors, so the job
     exits non-zero within seconds (measured about 1 s), not after the process group's 30-minute timeout."""

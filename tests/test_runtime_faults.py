@@ -20,6 +20,8 @@ import hf_moe_tp
 from hf_moe_tp.runtime.launch import RankError, RankPool
 from hf_moe_tp.runtime.timeouts import CollectiveFailure
 
+pytestmark = pytest.mark.slow  # faults that wait out timeouts, under our launcher and torchrun
+
 TIMEOUT_S = 5.0
 
 

@@ -74,6 +74,7 @@ def test_ranks_keep_their_own_stream(ranks, checkpoint):
     assert values[1] == torch.rand(1).item() and values[0] != values[1]
 
 
+@pytest.mark.slow
 def test_cli_sample(checkpoint):
     """``hf-moe-tp generate --sample --seed S`` at TP=2 prints one process's sampled tokens after seed S."""
     done = subprocess.run([sys.executable, "-m", "hf_moe_tp.cli", "generate", str(checkpoint), "--tp", "2",

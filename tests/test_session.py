@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import nbformat
 import psutil
+import pytest
 from families import save_family
 from nbclient import NotebookClient
+
+pytestmark = pytest.mark.slow  # a Jupyter kernel with ipyparallel engines, hangs that wait out timeouts
 
 CELLS = [
     """

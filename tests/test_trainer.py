@@ -271,6 +271,7 @@ def test_model_save_pretrained_arguments(mixtral, tmp_path):
     assert dist.is_initialized()  # the world of one from_pretrained started
 
 
+@pytest.mark.slow
 def test_accelerate_launch_training_loop(mixtral):
     """examples/accelerate_train.py under `accelerate launch --config_file examples/accelerate_fsdp_tp.yaml`
     (ParallelismConfig(dp_shard_size=2, tp_size=2), 4 CPU processes): accelerate's dataloader, prepare, backward
