@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
@@ -17,6 +18,8 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3MoeConfig,
 )
+
+from hf_moe_tp import GroupedExperts
 
 COMMON = dict(vocab_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, tie_word_embeddings=False)
@@ -98,3 +101,25 @@ def reference_expert_weights(ref_params: dict, name: str, module) -> dict[str, t
         bias = ref_params[f"{name}.gate_up_proj_bias"].detach()
         full.update(b1=bias[..., halves[0]], b3=bias[..., halves[1]], b2=ref_params[f"{name}.down_proj_bias"].detach())
     return full
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def grad_errors(model, ref) -> dict[str, float]:
+    """Per parameter of ``model``: max |whole gradient - reference gradient| / max(1, max |reference gradient|),
+    the reference's by name (experts' from transformers' packed tensors; a missing gradient counts as zero)."""
+    ref_grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in ref.named_parameters()}
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            ref_grads.update({f"{name}.{k}": g for k, g in reference_expert_weights(ref_grads, name, module).items()})
+    errors = {}
+    for name, p in model.named_parameters():
+        want = ref_grads.get(name)
+        if want is None:
+            errors[name] = float("inf")  # no such parameter in transformers' model
+            continue
+        got = _whole(p.grad) if p.grad is not None else torch.zeros_like(want)
+        errors[name] = ((got - want).abs().max() / max(1.0, want.abs().max().item())).item()
+    return errors

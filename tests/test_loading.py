@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from families import reference_expert_weights, save_family
+from families import grad_errors, reference_expert_weights, save_family
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import AutoModelForCausalLM
 
@@ -107,7 +107,7 @@ def _compare_with_transformers(path: str):
     loss.backward()
     ref_loss = ref(ids, labels=ids).loss
     ref_loss.backward()
-    grad_errors = _grad_errors(model, ref)
+    grads = grad_errors(model, ref)
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     torch.optim.SGD(ref.parameters(), lr=0.1).step()
     model.eval()
@@ -130,7 +130,7 @@ def _compare_with_transformers(path: str):
         "over_share": over_share,
         "read_bytes": sum(read_bytes.values()),
         "local_expert_bytes": local_bytes,
-        "grad_errors": grad_errors,
+        "grad_errors": grads,
         "world": world,
         "unexpected": report.unexpected,
     }
@@ -152,24 +152,6 @@ def _expected_read_bytes(module, name: str, local: torch.Tensor) -> int:
         return nbytes
     h = local.shape[1]  # (E, I, H) or (E, I): the expert hidden dim
     return nbytes // h * (2 * h - 1) if h else 0
-
-
-def _grad_errors(model, ref) -> dict[str, float]:
-    """Per parameter of ``model``: max |whole gradient - reference gradient| / max(1, max |reference gradient|),
-    the reference's by name (experts' from transformers' packed tensors; a missing gradient counts as zero)."""
-    ref_grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in ref.named_parameters()}
-    for name, module in model.named_modules():
-        if isinstance(module, GroupedExperts):
-            ref_grads.update({f"{name}.{k}": g for k, g in reference_expert_weights(ref_grads, name, module).items()})
-    errors = {}
-    for name, p in model.named_parameters():
-        want = ref_grads.get(name)
-        if want is None:
-            errors[name] = float("inf")  # no such parameter in transformers' model
-            continue
-        got = _full(p.grad) if p.grad is not None else torch.zeros_like(want)
-        errors[name] = ((got - want).abs().max() / max(1.0, want.abs().max().item())).item()
-    return errors
 
 
 def _check(results):
