@@ -30,6 +30,7 @@ _EXPORTS = {
     "LoadReport": "checkpoint.loading",
     "LocalParams": "parallel.styles",
     "NoParallel": "parallel.styles",
+    "ParallelConfig": "parallel.config",
     "TensorParallel": "parallel.styles",
     "apply_plan": "pretrained",
     "data_parallel_rank": "parallel.meshes",
@@ -52,6 +53,7 @@ __all__ = [
     "LoadReport",
     "LocalParams",
     "NoParallel",
+    "ParallelConfig",
     "TensorParallel",
     "apply_plan",
     "data_parallel_rank",
@@ -90,6 +92,7 @@ if TYPE_CHECKING:
     from .checkpoint.loading import LoadReport, load_checkpoint
     from .checkpoint.saving import save_pretrained
     from .integrations.install import install, uninstall
+    from .parallel.config import ParallelConfig
     from .parallel.expert_parallel import ExpertParallel
     from .parallel.experts import ExpertActivation, GroupedExperts
     from .parallel.grouped_matmul import grouped_mm

@@ -7,8 +7,10 @@ integrations on: the core imports nothing from ``integrations``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,21 +22,25 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from transformers import GenerationConfig, PreTrainedModel
 
 from .checkpoint.fp8 import keep_fp8_weights, place_scales
-from .checkpoint.loading import load_checkpoint
+from .checkpoint.loading import LoadReport, load_checkpoint
 from .checkpoint.saving import bind_save_pretrained
-from .integrations.hf_arguments import refuse, resolve
+from .integrations.hf_arguments import Resolved, refuse, resolve
 from .integrations.switch import enable
 from .integrations.trainer import declare_layout
 from .parallel import plans
+from .parallel.config import ParallelConfig, has_replicas
 from .parallel.expert_parallel import ExpertParallel
 from .parallel.experts import GroupedExperts
 from .parallel.fsdp import divide_expert_gradients, shard_data_parallel
 from .parallel.input_check import check_inputs_on, check_mode
 from .parallel.load_balance import balance_experts
-from .parallel.meshes import init_process_group, mesh_device, resolve_layout
+from .parallel.meshes import Layout, init_process_group, mesh_device, resolve_layout
 from .parallel.randomness import generate_on_leader_state, same_draws_in_training
 from .runtime import agreement
 from .runtime.timeouts import DEFAULT_TIMEOUT_S, explain_collective_failures, set_timeout
+
+# from_pretrained's keyword arguments that a ParallelConfig holds, and their defaults
+PARALLEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ParallelConfig)}
 
 
 def from_pretrained(
@@ -59,6 +65,7 @@ def from_pretrained(
     keep_quantized: bool = False,
     read_once: bool | None = None,
     expert_bias_update_rate: float | None = None,
+    parallel_config: ParallelConfig | None = None,
     **hf_kwargs: Any,
 ) -> PreTrainedModel:
     """Load a Hugging Face MoE model tensor-parallel over ``device_mesh`` (or all ranks).
@@ -128,6 +135,15 @@ def from_pretrained(
     (:func:`hf_moe_tp.parallel.load_balance.balance_experts`; DeepSeek-V3 used 0.001). Refused for a model without such
     a bias.
 
+    ``parallel_config``: the parallel keyword arguments above (``tp_plan``, the sizes, ``ep_dispatch``,
+    ``loss_parallel``, the policies, ``timeout``, ``check_inputs``, ``read_once``, ``keep_quantized``,
+    ``expert_bias_update_rate``) as one :class:`~hf_moe_tp.ParallelConfig`, validated when it is made, also made
+    from transformers' ``DistributedConfig`` or accelerate's ``ParallelismConfig``; given with any of those
+    keywords off its default, it is refused naming both.
+
+    The steps, each a function of this module: :func:`resolve_arguments`, :func:`make_layout`,
+    :func:`build_meta_model`, :func:`make_plan`, :func:`place`, :func:`read`, :func:`wrap`.
+
     With FSDP2, the model takes its final layout on the meta device (plan, then ``fully_shard``) before any byte
     is read, and each rank reads exactly the box of each parameter it holds: FSDP's shard of its TP shard.
 
@@ -144,76 +160,156 @@ def from_pretrained(
     mesh that leaves this rank out), every rank raises :class:`LoadError` naming each failed rank's error.
     """
     refuse(hf_kwargs)  # the same arguments on every rank: the same refusal on every rank, before any read
-    if keep_quantized and hf_kwargs.get("quantization_config") is not None:
-        raise ValueError("keep_quantized=True with quantization_config=... (which asks to dequantize on read): pass "
-                         "one of them")
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    keywords = dict(tp_plan=tp_plan, ep_size=ep_size, fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size,
+                    ep_dispatch=ep_dispatch, loss_parallel=loss_parallel, mp_policy=mp_policy,
+                    offload_policy=offload_policy, timeout=timeout, check_inputs=check_inputs, read_once=read_once,
+                    keep_quantized=keep_quantized, expert_bias_update_rate=expert_bias_update_rate)
+    refused: ValueError | None = None
+    try:
+        parallel = resolve_arguments(parallel_config, hf_kwargs, experts_column_major=experts_column_major, **keywords)
+    except ValueError as e:  # raised below, after the group starts, as every other failure is
+        parallel, refused = ParallelConfig(), e
+    timeout = parallel.timeout
     started = device_mesh is None and init_process_group(timeout or DEFAULT_TIMEOUT_S)
     if timeout is None and started:
         timeout = DEFAULT_TIMEOUT_S  # our group: its meshes' subgroups get the same bound, not torch's 30 min
     error: BaseException | None = None
     model = None
     try:
+        if refused is not None:
+            raise refused
         args = resolve(path, dtype, **hf_kwargs)
-        path, config, dtype = args.path, args.config, args.dtype
-        check_mode(check_inputs)
-        layout = resolve_layout(device_mesh, ep_size, fsdp_size, dp_replicate_size)
-        mesh, ep_mesh = layout.tp, layout.ep
-        if timeout is not None:
-            set_timeout([mesh, ep_mesh, layout.dp], timeout)
-        if experts_column_major is not None:
-            warnings.warn("from_pretrained(experts_column_major=...) is deprecated and has no effect: expert "
-                          "weights are always stored (E, out, in), the checkpoints' memory order, and FSDP2 shards "
-                          "them; drop the argument", FutureWarning, stacklevel=2)
-        if layout.dp is not None and layout.ep is not None and (_casts(mp_policy) or _offloads(offload_policy)):
-            # FSDP2 leaves experts that already sit over the data-parallel ranks to themselves (fsdp.py)
-            raise ValueError(f"mp_policy={mp_policy} / offload_policy={offload_policy} with experts split over the "
-                             "data-parallel ranks ('ep' beside 'tp', FSDP over ep): FSDP2 does not manage those "
-                             "experts, so the policy would not reach them; load with dtype= instead, without them")
-        if layout.dp is not None and keep_quantized:
-            raise ValueError("keep_quantized=True with FSDP2 (fsdp_size, dp_replicate_size or a data-parallel mesh "
-                             "dimension): FP8 weights kept quantized are frozen; load them dequantized to train")
-        if layout.dp is None and (mp_policy is not None or offload_policy is not None):
-            raise ValueError("mp_policy and offload_policy are FSDP2's: they need fsdp_size, dp_replicate_size or "
-                             "a device_mesh with a data-parallel dimension")
-        model = plans.meta_model(config, model_class, dtype, attn_implementation=args.attn_implementation)
-        _buffers_to(model, mesh_device(mesh))  # the loader allocates parameters where the buffers are
-        plan = _plan(model, tp_plan, mesh, ep_size=ep_size or (ep_mesh["ep"].size() if ep_mesh else None),
-                     loss_parallel=loss_parallel)
-        if ep_dispatch is not None:
-            plan = {n: ExpertParallel(input_layout=s.input_layout, dispatch=ep_dispatch)
-                    if isinstance(s, ExpertParallel) else s for n, s in plan.items()}
-        if keep_quantized:  # FP8 layers in, before the plan places them (headers only)
-            keep_fp8_weights(model, path, plan)
-        apply_plan(model, mesh, plan, ep_mesh=ep_mesh)
-        if keep_quantized:
-            place_scales(model)
-        model.hf_moe_tp_mesh, model.hf_moe_tp_ep_mesh = mesh, ep_mesh
-        same_draws_in_training(model, mesh)  # replicated random ops (router jitter, dropout) agree across TP
-        if hasattr(model, "generate"):  # so do sampled tokens
-            generate_on_leader_state(model, mesh)
-        model.hf_moe_tp_plan = plan
-        if layout.dp is not None:  # the final layout first, on the meta device: each rank reads its FSDP shards
-            shard_data_parallel(model, layout.dp, mp_policy=mp_policy, offload_policy=offload_policy)
-        model.hf_moe_tp_load = load_checkpoint(model, path, threads=threads, record_reads=record_reads,
-                                               strict=args.strict, replicas=_replicas(layout, read_once))
-        if args.generation_config is not None:
-            model.generation_config = args.generation_config
-        elif (path / "generation_config.json").is_file():
-            model.generation_config = GenerationConfig.from_pretrained(path)
-        if layout.dp is not None:
-            divide_expert_gradients(model)
-        if expert_bias_update_rate is not None:
-            balance_experts(model, expert_bias_update_rate)
-        bind_save_pretrained(model)
-        declare_layout(model, layout)  # to transformers' Trainer and accelerate
-        explain_collective_failures(model, [mesh, ep_mesh, layout.dp], timeout)
-        check_inputs_on(model, mesh, check_inputs)  # last: its hook runs first, before any other collective
+        layout = make_layout(parallel, device_mesh, timeout)
+        model = build_meta_model(args, layout, model_class)
+        plan = make_plan(model, parallel, layout)
+        place(model, plan, layout, parallel, args.path)
+        read(model, args, layout, parallel, threads=threads, record_reads=record_reads)
+        wrap(model, layout, parallel, timeout)
     except Exception as e:  # noqa: BLE001 - every error is reported on every rank below
         error = e
     agree(error)
     return model.eval()
+
+
+def resolve_arguments(parallel_config: ParallelConfig | None = None, hf_kwargs: dict[str, Any] | None = None, *,
+                      experts_column_major: bool | None = None, **keywords: Any) -> ParallelConfig:
+    """The :class:`ParallelConfig` of a call: ``parallel_config``, or one made from ``keywords`` (from_pretrained's
+    parallel keyword arguments); both at once (a keyword off its default) is refused naming each. Also refuses
+    ``keep_quantized`` with a ``quantization_config`` among ``hf_kwargs``, and warns of ``experts_column_major``."""
+    if experts_column_major is not None:
+        warnings.warn("from_pretrained(experts_column_major=...) is deprecated and has no effect: expert "
+                      "weights are always stored (E, out, in), the checkpoints' memory order, and FSDP2 shards "
+                      "them; drop the argument", FutureWarning, stacklevel=3)
+    if parallel_config is None:
+        parallel = ParallelConfig(**keywords)
+    elif not isinstance(parallel_config, ParallelConfig):
+        raise ValueError(f"parallel_config must be a hf_moe_tp.ParallelConfig, got {type(parallel_config).__name__}")
+    else:
+        given = [f"{k}={v!r}" for k, v in keywords.items() if v != PARALLEL_DEFAULTS[k]]
+        if given:
+            raise ValueError(f"parallel_config=... with {', '.join(given)}: pass each setting once, in the "
+                             f"ParallelConfig (dataclasses.replace(parallel_config, ...)) or as a keyword argument")
+        parallel = parallel_config
+    if parallel.keep_quantized and (hf_kwargs or {}).get("quantization_config") is not None:
+        raise ValueError("keep_quantized=True with quantization_config=... (which asks to dequantize on read): pass "
+                         "one of them")
+    return parallel
+
+
+def make_layout(parallel: ParallelConfig, device_mesh: DeviceMesh | None = None, timeout: float | None = None
+                ) -> Layout:
+    """The meshes of ``parallel``'s sizes on ``device_mesh`` (or the world), their collectives bounded by
+    ``timeout`` seconds; what ``parallel`` cannot do on them refused by name (:meth:`ParallelConfig.check_layout`).
+    """
+    check_mode(parallel.check_inputs)  # the environment variable's mode too
+    layout = resolve_layout(device_mesh, parallel.ep_size, parallel.fsdp_size, parallel.dp_replicate_size)
+    if timeout is not None:
+        set_timeout([layout.tp, layout.ep, layout.dp], timeout)
+    parallel.check_layout(layout)
+    return layout
+
+
+def build_meta_model(args: Resolved, layout: Layout, model_class: type | None = None) -> PreTrainedModel:
+    """The model of ``args.config`` on the meta device, experts swapped for GroupedExperts, its buffers on this
+    rank's device (where the loader then allocates the parameters)."""
+    model = plans.meta_model(args.config, model_class, args.dtype, attn_implementation=args.attn_implementation)
+    _buffers_to(model, mesh_device(layout.tp))
+    return model
+
+
+def make_plan(model: nn.Module, parallel: ParallelConfig, layout: Layout) -> dict[str, ParallelStyle]:
+    """Module names -> styles for ``model``: ``parallel.tp_plan`` (``"auto"``: :func:`hf_moe_tp.tp_plan`; None:
+    nothing split but, with expert parallelism, the experts; a dict as given), the output projection keeping the
+    logits split with ``loss_parallel``, every ExpertParallel with ``ep_dispatch``."""
+    mesh, ep_mesh = layout.tp, layout.ep
+    ep_size = parallel.ep_size or (ep_mesh["ep"].size() if ep_mesh is not None else None)
+    if parallel.tp_plan == "auto":
+        plan = plans.tp_plan(model, mesh.size(), ep_size=ep_size, loss_parallel=parallel.loss_parallel)
+    else:
+        plan = {}
+        if parallel.tp_plan is not None:
+            plan = plans.resolve_plan(parallel.tp_plan)
+        elif ep_size and ep_size > 1:
+            plan = {n: ExpertParallel() for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
+        if parallel.loss_parallel:
+            head = plans.output_embedding_name(model)
+            plan[head] = plans.loss_parallel_head(model, plan.get(head), head)
+    if parallel.ep_dispatch is not None:
+        plan = {n: ExpertParallel(input_layout=s.input_layout, dispatch=parallel.ep_dispatch)
+                if isinstance(s, ExpertParallel) else s for n, s in plan.items()}
+    return plan
+
+
+def place(model: nn.Module, plan: dict[str, ParallelStyle], layout: Layout, parallel: ParallelConfig,
+          path: Path | None = None) -> None:
+    """Give the meta ``model`` its final layout before any byte is read: ``plan`` applied on ``layout``'s meshes
+    (with ``keep_quantized``, the FP8 layers of the checkpoint at ``path`` first), random ops and sampling agreeing
+    across TP, then FSDP2 over the data-parallel mesh."""
+    if parallel.keep_quantized:  # FP8 layers in, before the plan places them (headers only)
+        keep_fp8_weights(model, path, plan)
+    apply_plan(model, layout.tp, plan, ep_mesh=layout.ep)
+    if parallel.keep_quantized:
+        place_scales(model)
+    model.hf_moe_tp_mesh, model.hf_moe_tp_ep_mesh = layout.tp, layout.ep
+    same_draws_in_training(model, layout.tp)  # replicated random ops (router jitter, dropout) agree across TP
+    if hasattr(model, "generate"):  # so do sampled tokens
+        generate_on_leader_state(model, layout.tp)
+    model.hf_moe_tp_plan = plan
+    if layout.dp is not None:  # each rank then reads its FSDP shards
+        shard_data_parallel(model, layout.dp, mp_policy=parallel.mp_policy, offload_policy=parallel.offload_policy)
+
+
+def read(model: nn.Module, args: Resolved, layout: Layout, parallel: ParallelConfig, *, threads: int | None = None,
+         record_reads: bool = False) -> LoadReport:
+    """Read this rank's slices of the checkpoint at ``args.path`` into the placed ``model`` (with ``read_once``,
+    the first replica reads for the others) and its generation config; the report is ``model.hf_moe_tp_load``."""
+    replicas = None
+    if has_replicas(layout):
+        read_once = parallel.read_once
+        if read_once is None:  # several nodes: replicas would read through a shared filesystem
+            read_once = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) < dist.get_world_size()
+        replicas = layout.dp.get_group(0) if read_once else None
+    model.hf_moe_tp_load = load_checkpoint(model, args.path, threads=threads, record_reads=record_reads,
+                                           strict=args.strict, replicas=replicas)
+    if args.generation_config is not None:
+        model.generation_config = args.generation_config
+    elif (args.path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(args.path)
+    return model.hf_moe_tp_load
+
+
+def wrap(model: nn.Module, layout: Layout, parallel: ParallelConfig, timeout: float | None = None) -> None:
+    """What a loaded ``model`` does beyond its forward: expert gradients divided under FSDP2, the expert-bias
+    update, ``save_pretrained``, its layout declared to the Trainer and accelerate, failed collectives explained,
+    and (last, so its hook runs first) the input check."""
+    if layout.dp is not None:
+        divide_expert_gradients(model)
+    if parallel.expert_bias_update_rate is not None:
+        balance_experts(model, parallel.expert_bias_update_rate)
+    bind_save_pretrained(model)
+    declare_layout(model, layout)  # to transformers' Trainer and accelerate
+    explain_collective_failures(model, [layout.tp, layout.ep, layout.dp], timeout)
+    check_inputs_on(model, layout.tp, parallel.check_inputs)
 
 
 def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle | str],
@@ -244,47 +340,6 @@ def agree(error: BaseException | None) -> None:
     if error is not None and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         raise error
     agreement.agree(error, LoadError)
-
-
-def _plan(model: nn.Module, plan, mesh: DeviceMesh, ep_size: int | None = None, loss_parallel: bool = False
-          ) -> dict[str, ParallelStyle]:
-    """The plan ``tp_plan`` names; with ``loss_parallel`` its output projection keeps the logits split in training
-    (as ``tp_plan(model, loss_parallel=True)`` gives it)."""
-    if plan == "auto":
-        return plans.tp_plan(model, mesh.size(), ep_size=ep_size, loss_parallel=loss_parallel)
-    if plan is None:  # nothing split; with ep_size, expert parallelism alone
-        out = {}
-        if ep_size and ep_size > 1:
-            out = {n: ExpertParallel() for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
-    elif isinstance(plan, dict):
-        out = plans.resolve_plan(plan)
-    else:
-        raise ValueError(f"tp_plan must be 'auto', None or a dict of module names to styles, got {plan!r}")
-    if loss_parallel:
-        head = plans.output_embedding_name(model)
-        out[head] = plans.loss_parallel_head(model, out.get(head), head)
-    return out
-
-
-def _replicas(layout, read_once: bool | None) -> dist.ProcessGroup | None:
-    """The ``dp_replicate`` group whose first rank reads for the others, or None (every rank reads its own)."""
-    dp = layout.dp
-    hsdp = dp is not None and dp.ndim == 2 and dp.size(0) > 1
-    if read_once and not hsdp:
-        raise ValueError("read_once=True needs replicas: dp_replicate_size > 1 (HSDP) or a device_mesh with a "
-                         "'dp_replicate' dimension larger than 1")
-    if read_once is None:
-        read_once = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) < dist.get_world_size()
-    return dp.get_group(0) if hsdp and read_once else None
-
-
-def _casts(policy: MixedPrecisionPolicy | None) -> bool:
-    return policy is not None and any(d is not None for d in (policy.param_dtype, policy.reduce_dtype,
-                                                                policy.output_dtype))
-
-
-def _offloads(policy: OffloadPolicy | None) -> bool:
-    return policy is not None and type(policy) is not OffloadPolicy
 
 
 def _buffers_to(model: nn.Module, device: torch.device) -> None:

@@ -13,14 +13,15 @@ name them validate there; transformers itself never applies them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
-import torch
 from transformers import PreTrainedModel
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
 from .._compat import unregister_parallel_style
+from ..parallel.config import ParallelConfig
 from ..parallel.plans import STYLE_NAMES
 from .hf_arguments import HUB_OPTIONS
 
@@ -83,10 +84,10 @@ def _wrap(original):
         from ..pretrained import from_pretrained as ours
 
         rest = {k: v for k, v in kwargs.items() if k not in ("tp_plan", "distributed_config", "device_mesh")}
-        layout = distributed_kwargs(kwargs.get("distributed_config"))
+        parallel = parallel_config(kwargs.get("distributed_config"), plan, rest)
         # everything else (dtype, attn_implementation, config, hub options, refusals) as hf_moe_tp's own call
-        return ours(pretrained_model_name_or_path, tp_plan=plan, device_mesh=kwargs.get("device_mesh"),
-                    model_class=cls, **layout, **rest)
+        return ours(pretrained_model_name_or_path, parallel_config=parallel, device_mesh=kwargs.get("device_mesh"),
+                    model_class=cls, **rest)
 
     return from_pretrained
 
@@ -104,56 +105,19 @@ def _requested_plan(kwargs: dict) -> Any:
     return "auto" if max(sizes) > 1 else None
 
 
-# DistributedConfig fields and the values we take; any other value is refused by name.
-SUPPORTED_DEFAULTS = {"enable_sequence_parallel": False, "pp_size": 1, "fsdp_plan": None, "ep_plan": None}
-EP_DISPATCH = {"auto": "auto", "all_to_all": "all_to_all", "all_reduce": "all_reduce"}
-
-
-def distributed_kwargs(config) -> dict[str, Any]:
-    """:func:`hf_moe_tp.from_pretrained` arguments for transformers' ``DistributedConfig``: sizes, FSDP2
-    policies, the EP dispatch. Fields with no equivalent here (pipeline and sequence parallelism, FSDP and EP
-    plans by module name, other EP implementations) raise ``ValueError`` naming them, before anything is read.
-    """
-    if config is None:
-        return {}
-    from dataclasses import fields
-
-    known = {f.name for f in fields(config)} if hasattr(config, "__dataclass_fields__") else set()
-    handled = {"tp_size", "tp_plan", "fsdp_size", "dp_replicate_size", "fsdp_cpu_offload", "fsdp_mixed_precision",
-               "ep_size", "enable_expert_parallel", "ep_implementation", *SUPPORTED_DEFAULTS}
-    unknown = sorted(known - handled)
-    refused = [f"{name}={getattr(config, name)!r}" for name, default in SUPPORTED_DEFAULTS.items()
-               if getattr(config, name, default) not in (default, None)]
-    refused += [f"{name}={getattr(config, name)!r}" for name in unknown if getattr(config, name) not in (None, False)]
-    implementation = getattr(config, "ep_implementation", "auto") or "auto"
-    if implementation not in EP_DISPATCH:
-        refused.append(f"ep_implementation={implementation!r}")
-    if refused:
-        raise ValueError(f"DistributedConfig field(s) not supported by hf_moe_tp: {', '.join(refused)} (supported: "
-                         f"tp_size, tp_plan, fsdp_size, dp_replicate_size, ep_size, fsdp_mixed_precision, "
-                         f"fsdp_cpu_offload, ep_implementation in {sorted(EP_DISPATCH)})")
-    import torch.distributed as dist
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-
-    out: dict[str, Any] = {}
-    fsdp, replicate = getattr(config, "fsdp_size", 1) or 1, getattr(config, "dp_replicate_size", 1) or 1
-    tp, ep = getattr(config, "tp_size", 1) or 1, getattr(config, "ep_size", 1) or 1
-    if dist.is_initialized() and tp * fsdp * replicate != dist.get_world_size():
-        raise ValueError(f"DistributedConfig tp_size={tp} x fsdp_size={fsdp} x dp_replicate_size={replicate} must "
-                         f"equal the world size {dist.get_world_size()}")
-    if fsdp > 1:
-        out["fsdp_size"] = fsdp
-    if replicate > 1:
-        out["dp_replicate_size"] = replicate
-    if ep > 1:
-        out["ep_size"] = ep
-        if implementation != "auto":
-            out["ep_dispatch"] = EP_DISPATCH[implementation]
-    if getattr(config, "fsdp_mixed_precision", False):  # transformers' policy: bf16 compute, fp32 reductions
-        out["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if getattr(config, "fsdp_cpu_offload", False):
-        out["offload_policy"] = CPUOffloadPolicy()
-    return out
+def parallel_config(distributed_config: Any, plan: Any, rest: dict[str, Any]) -> ParallelConfig:
+    """The :class:`ParallelConfig` of a transformers call: its ``DistributedConfig``'s
+    (:meth:`ParallelConfig.from_distributed_config`, which refuses the fields it cannot honour), the plan asked
+    for, and hf_moe_tp's own keywords among the call's, taken out of ``rest``; one set both ways is refused."""
+    base = ParallelConfig()
+    if distributed_config is not None:
+        base = ParallelConfig.from_distributed_config(distributed_config)
+    own = {f.name: rest.pop(f.name) for f in dataclasses.fields(ParallelConfig) if f.name in rest}
+    both = sorted(own.keys() & base.changed().keys())
+    if both:
+        raise ValueError(f"{', '.join(both)} set both by the distributed_config and as keyword arguments: set each "
+                         "once")
+    return dataclasses.replace(base, tp_plan=plan, **own)
 
 
 def is_moe(config) -> bool:

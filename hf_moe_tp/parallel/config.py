@@ -1,0 +1,212 @@
+"""``ParallelConfig``: how a model is split (plan, EP, FSDP2, HSDP sizes), its FSDP2 policies, its collectives'
+timeout and its input check, validated once when it is made.
+
+Two checks, both here: :meth:`ParallelConfig.validate` (each argument alone and together, no process group
+needed) and :meth:`ParallelConfig.check_layout` (what needs the resolved meshes: the policies and
+``keep_quantized`` against data parallelism, ``read_once`` against replicas). It is also made from the other
+libraries' configs: transformers' ``DistributedConfig`` (:meth:`ParallelConfig.from_distributed_config`) and
+accelerate's ``ParallelismConfig`` (:meth:`ParallelConfig.from_parallelism_config`); both are duck-typed here, so
+this module imports neither library. Fields they set that cannot be honoured are refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from .meshes import Layout
+
+EP_DISPATCH = ("auto", "all_to_all", "all_reduce")
+
+# DistributedConfig fields and the values we take; any other value is refused by name.
+SUPPORTED_DEFAULTS = {"enable_sequence_parallel": False, "pp_size": 1, "fsdp_plan": None, "ep_plan": None}
+DISTRIBUTED_HANDLED = ("tp_size", "tp_plan", "fsdp_size", "dp_replicate_size", "fsdp_cpu_offload",
+                       "fsdp_mixed_precision", "ep_size", "enable_expert_parallel", "ep_implementation")
+
+# ParallelismConfig fields taken; cp/sp backends and handlers only matter with their sizes above 1 (refused).
+PARALLELISM_HANDLED = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "cp_backend",
+                       "sp_backend", "tp_handler", "cp_handler", "sp_handler")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How :func:`hf_moe_tp.from_pretrained` splits a model; each field is the keyword argument of that name
+    (its docstring says what each does). Refusals are raised (``ValueError`` naming the field and value) when
+    the config is made, and :func:`dataclasses.replace` makes a changed copy, validated again."""
+
+    tp_plan: str | dict[str, ParallelStyle | str] | None = "auto"
+    ep_size: int | None = None
+    fsdp_size: int | None = None
+    dp_replicate_size: int | None = None
+    ep_dispatch: str | None = None
+    loss_parallel: bool = False
+    mp_policy: MixedPrecisionPolicy | None = None
+    offload_policy: OffloadPolicy | None = None
+    timeout: float | None = None
+    check_inputs: str | None = None
+    read_once: bool | None = None
+    keep_quantized: bool = False
+    expert_bias_update_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Refuse, by name, each field that is wrong on its own (types, sizes, names); no process group needed."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+        from .input_check import MODES
+
+        if not (self.tp_plan == "auto" or self.tp_plan is None or isinstance(self.tp_plan, dict)):
+            raise ValueError(f"tp_plan must be 'auto', None or a dict of module names to styles, got "
+                             f"{self.tp_plan!r}")
+        for name in ("ep_size", "fsdp_size", "dp_replicate_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                raise ValueError(f"{name}={value!r} must be an int")
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be at least 1")
+        if self.ep_dispatch not in (None, *EP_DISPATCH):
+            raise ValueError(f"ep_dispatch={self.ep_dispatch!r} must be one of {EP_DISPATCH}")
+        for name in ("loss_parallel", "keep_quantized"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.read_once not in (None, True, False):
+            raise ValueError(f"read_once={self.read_once!r} must be True, False or None")
+        if self.mp_policy is not None and not isinstance(self.mp_policy, MixedPrecisionPolicy):
+            raise ValueError(f"mp_policy={self.mp_policy!r} must be a torch.distributed.fsdp.MixedPrecisionPolicy")
+        if self.offload_policy is not None and not isinstance(self.offload_policy, OffloadPolicy):
+            raise ValueError(f"offload_policy={self.offload_policy!r} must be a torch.distributed.fsdp.OffloadPolicy")
+        if self.timeout is not None and not (_is_number(self.timeout) and self.timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        if self.check_inputs is not None and self.check_inputs not in MODES:  # the environment's: at load time
+            raise ValueError(f"check_inputs={self.check_inputs!r} must be one of {MODES}")
+        rate = self.expert_bias_update_rate
+        if rate is not None and not (_is_number(rate) and rate > 0):
+            raise ValueError(f"expert_bias_update_rate must be positive, got {rate}")
+
+    def check_layout(self, layout: Layout) -> None:
+        """Refuse, by name, what this config cannot do on ``layout`` (the meshes
+        :func:`hf_moe_tp.parallel.meshes.resolve_layout` gave): FSDP2's policies without data parallelism or with
+        experts over the data-parallel ranks, ``keep_quantized`` with FSDP2, ``read_once`` without replicas."""
+        mp, offload = self.mp_policy, self.offload_policy
+        if layout.dp is not None and layout.ep is not None and (_casts(mp) or _offloads(offload)):
+            # FSDP2 leaves experts that already sit over the data-parallel ranks to themselves (fsdp.py)
+            raise ValueError(f"mp_policy={mp} / offload_policy={offload} with experts split over the "
+                             "data-parallel ranks ('ep' beside 'tp', FSDP over ep): FSDP2 does not manage those "
+                             "experts, so the policy would not reach them; load with dtype= instead, without them")
+        if layout.dp is not None and self.keep_quantized:
+            raise ValueError("keep_quantized=True with FSDP2 (fsdp_size, dp_replicate_size or a data-parallel mesh "
+                             "dimension): FP8 weights kept quantized are frozen; load them dequantized to train")
+        if layout.dp is None and (mp is not None or offload is not None):
+            raise ValueError("mp_policy and offload_policy are FSDP2's: they need fsdp_size, dp_replicate_size or "
+                             "a device_mesh with a data-parallel dimension")
+        if self.read_once and not has_replicas(layout):
+            raise ValueError("read_once=True needs replicas: dp_replicate_size > 1 (HSDP) or a device_mesh with a "
+                             "'dp_replicate' dimension larger than 1")
+
+    def changed(self) -> dict[str, Any]:
+        """The fields set to other than their defaults, as keyword arguments of ``from_pretrained``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
+
+    @classmethod
+    def from_distributed_config(cls, config: Any) -> ParallelConfig:
+        """The config for transformers' ``DistributedConfig``: sizes, FSDP2 policies (``fsdp_mixed_precision``:
+        transformers' bf16 compute with fp32 reductions; ``fsdp_cpu_offload``), the EP dispatch
+        (``ep_implementation``). Fields with no equivalent here (pipeline and sequence parallelism, FSDP and EP plans
+        by module name, other EP implementations) raise ``ValueError`` naming them; so do sizes whose product is not
+        the world size (when the world is known)."""
+        known = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
+        unknown = sorted(known - set(DISTRIBUTED_HANDLED) - set(SUPPORTED_DEFAULTS))
+        refused = [f"{name}={getattr(config, name)!r}" for name, default in SUPPORTED_DEFAULTS.items()
+                   if getattr(config, name, default) not in (default, None)]
+        refused += [f"{name}={getattr(config, name)!r}" for name in unknown
+                    if getattr(config, name) not in (None, False)]
+        implementation = getattr(config, "ep_implementation", "auto") or "auto"
+        if implementation not in EP_DISPATCH:
+            refused.append(f"ep_implementation={implementation!r}")
+        if refused:
+            raise ValueError(f"DistributedConfig field(s) not supported by hf_moe_tp: {', '.join(refused)} "
+                             f"(supported: tp_size, tp_plan, fsdp_size, dp_replicate_size, ep_size, "
+                             f"fsdp_mixed_precision, fsdp_cpu_offload, ep_implementation in {sorted(EP_DISPATCH)})")
+        import torch
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        fsdp, replicate = getattr(config, "fsdp_size", 1) or 1, getattr(config, "dp_replicate_size", 1) or 1
+        tp, ep = getattr(config, "tp_size", None), getattr(config, "ep_size", 1) or 1
+        if tp is not None:  # None: the rest of the world, as transformers takes it
+            _check_world("DistributedConfig", {"tp_size": tp, "fsdp_size": fsdp, "dp_replicate_size": replicate})
+        mixed = getattr(config, "fsdp_mixed_precision", False)
+        return cls(
+            tp_plan="auto" if getattr(config, "tp_plan", None) is None else config.tp_plan,
+            ep_size=ep if ep > 1 else None,
+            fsdp_size=fsdp if fsdp > 1 else None,
+            dp_replicate_size=replicate if replicate > 1 else None,
+            ep_dispatch=implementation if ep > 1 and implementation != "auto" else None,
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None,
+            offload_policy=CPUOffloadPolicy() if getattr(config, "fsdp_cpu_offload", False) else None,
+        )
+
+    @classmethod
+    def from_parallelism_config(cls, config: Any) -> ParallelConfig:
+        """The config for accelerate's ``ParallelismConfig``: ``dp_replicate_size``, ``dp_shard_size`` (our
+        ``fsdp_size``) and ``tp_size`` (the rest of the world, checked against it when the world is known). Context
+        and sequence parallelism (``cp_size``, ``sp_size`` above 1), asynchronous TP (``tp_handler``'s
+        ``enable_async_tp``) and fields this version does not know raise ``ValueError`` naming them."""
+        known = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
+        refused = [f"{name}={getattr(config, name)!r}" for name in ("cp_size", "sp_size")
+                   if (getattr(config, name, 1) or 1) > 1]
+        if getattr(getattr(config, "tp_handler", None), "enable_async_tp", False):
+            refused.append("tp_handler.enable_async_tp=True")
+        refused += [f"{name}={getattr(config, name)!r}" for name in sorted(known - set(PARALLELISM_HANDLED))
+                    if getattr(config, name) not in (None, False, 1)]
+        if refused:
+            raise ValueError(f"ParallelismConfig field(s) not supported by hf_moe_tp: {', '.join(refused)} "
+                             f"(supported: dp_replicate_size, dp_shard_size, tp_size)")
+        replicate = getattr(config, "dp_replicate_size", 1) or 1
+        shard, tp = getattr(config, "dp_shard_size", 1) or 1, getattr(config, "tp_size", 1) or 1
+        _check_world("ParallelismConfig", {"tp_size": tp, "dp_shard_size": shard, "dp_replicate_size": replicate})
+        return cls(fsdp_size=shard if shard > 1 else None, dp_replicate_size=replicate if replicate > 1 else None)
+
+
+def has_replicas(layout: Layout) -> bool:
+    """Whether ``layout`` is HSDP with more than one replica (a 2-D data-parallel mesh, replicate dimension > 1)."""
+    dp = layout.dp
+    return dp is not None and dp.ndim == 2 and dp.size(0) > 1
+
+
+def _check_world(source: str, sizes: dict[str, int]) -> None:
+    """Sizes whose product is not the world size (of the started group, or torchrun's) are refused by name."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    if world is None and "WORLD_SIZE" in os.environ:
+        world = int(os.environ["WORLD_SIZE"])
+    product = 1
+    for size in sizes.values():
+        product *= size
+    if world is not None and product != world:
+        raise ValueError(f"{source} {' x '.join(f'{k}={v}' for k, v in sizes.items())} must equal the world size "
+                         f"{world}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _casts(policy: MixedPrecisionPolicy | None) -> bool:
+    return policy is not None and any(d is not None for d in (policy.param_dtype, policy.reduce_dtype,
+                                                                policy.output_dtype))
+
+
+def _offloads(policy: OffloadPolicy | None) -> bool:
+    from torch.distributed.fsdp import OffloadPolicy
+
+    return policy is not None and type(policy) is not OffloadPolicy
