@@ -1,7 +1,7 @@
 """What the run-time safeguards cost at TP=2: the input check per forward, and the generator-state sync that
 makes replicated random draws (training forwards, sampled generation) agree across ranks.
 
-    python bench/checks.py [--repeats 9] [--dir ~/.cache/hf_moe_tp/bench-mixtral-1.5g]
+    python -m bench.checks [--repeats 9] [--dir ~/.cache/hf_moe_tp/bench-mixtral-1.5g]
 
 One model (bench/load.py's Mixtral-shaped checkpoint, fp32) in two ranks. Rows, each timed in rotation with
 its baseline, median of ``--repeats`` after a warm-up round:
@@ -18,9 +18,9 @@ import argparse
 from pathlib import Path
 
 import torch
-from allocator import pin_malloc
-from collectives import rotated_medians
 
+from bench.allocator import pin_malloc
+from bench.collectives import rotated_medians
 from hf_moe_tp.runtime.launch import run_on_ranks
 
 DEFAULT_DIR = Path.home() / ".cache/hf_moe_tp/bench-mixtral-1.5g"
@@ -68,7 +68,7 @@ def main() -> None:
     p.add_argument("--system-malloc", action="store_true", help="keep glibc's default malloc thresholds")
     args = p.parse_args()
     malloc = pin_malloc(args.system_malloc)
-    from load import make_checkpoint
+    from bench.load import make_checkpoint
 
     make_checkpoint(args.dir)
     r = run_on_ranks(bench_rank, 2, str(args.dir), args.repeats, timeout=3600)[0]

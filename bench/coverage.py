@@ -1,6 +1,6 @@
 """Coverage matrix: every MoE family of the installed transformers, loaded at TP=2, against one process.
 
-    python bench/coverage.py [--families mixtral,olmoe] [--timeout 120] [--no-native] [--no-multimodal]
+    python -m bench.coverage [--families mixtral,olmoe] [--timeout 120] [--no-native] [--no-multimodal]
                              [--out docs/models.md]
 
 Families are discovered, not listed: every expert class that transformers' ``@use_experts_implementation``
@@ -33,11 +33,10 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the parts below, also when loaded by file path
-from coverage_checks import FP32_TOL, _short, _short_rank_error, ours_passes, run_native, run_ours, step_tolerance
-from coverage_models import Family, discover, save_tiny
-from coverage_multimodal import check_family
-from coverage_report import MM_NOTES, Result, _flags, write_markdown
+from bench.coverage_checks import FP32_TOL, _short, _short_rank_error, ours_passes, run_native, run_ours, step_tolerance
+from bench.coverage_models import Family, discover, save_tiny
+from bench.coverage_multimodal import check_family
+from bench.coverage_report import MM_NOTES, Result, _flags, write_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 __all__ = ["FP32_TOL", "MM_NOTES", "discover", "ours_passes", "run_ours", "save_tiny"]  # for tests/test_coverage.py
@@ -155,5 +154,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main())

@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 
 import torch
-from coverage_models import model_class
+
+from bench.coverage_models import model_class
 
 FP32_TOL = 2e-5
 

@@ -21,8 +21,9 @@ import inspect
 from pathlib import Path
 
 import torch
-from coverage_checks import FP32_TOL, _full, step_tolerance
-from coverage_models import Family, shrink
+
+from bench.coverage_checks import FP32_TOL, _full, step_tolerance
+from bench.coverage_models import Family, shrink
 
 # The towers' sizes; a key is set only where the tower's config has it.
 TOWER_SIZES = dict(
@@ -461,7 +462,7 @@ def check_family(pool, family: Family, root: Path, timeout: float) -> dict:
     """The multimodal check of one family at the pool's world size, as :class:`coverage_report.Result` fields:
     ``mm_class``, ``mm_verified`` (modalities), ``mm_diff`` (worst logits difference, expert hidden 24 / 21),
     ``mm_reason`` (what failed in hf_moe_tp) and ``mm_note`` (what could not be checked, and why)."""
-    from coverage_checks import _short, _short_rank_error
+    from bench.coverage_checks import _short, _short_rank_error
 
     found = multimodal_type(family)
     if found is None:

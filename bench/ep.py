@@ -2,7 +2,7 @@
 (``ep_implementation="all_to_all"``), for one MoE layer and for the whole model: tokens per second and the
 bytes each rank sends per forward.
 
-    python bench/ep.py [--batch 4] [--seq 256] [--repeats 5] [--dtype float32]
+    python -m bench.ep [--batch 4] [--seq 256] [--repeats 5] [--dtype float32]
 
 The model is Qwen3-MoE-shaped with many small experts (32 of hidden 256, top-4, 4 layers, hidden 512), the
 case EP is for; it is made once with save_pretrained under ~/.cache/hf_moe_tp. All three load the same files at
@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 import torch
-from collectives import count_bytes, median_time
 
+from bench.collectives import count_bytes, median_time
 from hf_moe_tp.runtime.launch import run_on_ranks
 
 DEFAULT_DIR = Path.home() / ".cache/hf_moe_tp/bench-qwen3-ep"

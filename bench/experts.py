@@ -1,6 +1,6 @@
 """One MoE layer, one process: GroupedExperts against the raw grouped_mm kernel and transformers' MixtralExperts.
 
-    python bench/experts.py [--tokens 2048] [--dim 1024] [--hidden 1024] [--experts 16] [--top-k 2] [--repeats 7]
+    python -m bench.experts [--tokens 2048] [--dim 1024] [--hidden 1024] [--experts 16] [--top-k 2] [--repeats 7]
 
 Prints the median time of each implementation (forward; forward+backward) in fp32 and bf16 and its ratio to
 the raw kernel run on the same weights with the same routing (the limit). Implementations are interleaved
@@ -19,10 +19,10 @@ import statistics
 import time
 
 import torch
-from allocator import pin_malloc
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
+from bench.allocator import pin_malloc
 from hf_moe_tp import GroupedExperts
 
 KERNEL = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm

@@ -1,7 +1,7 @@
 """Run the bench/load.py Mixtral-shaped model at TP=2: hf_moe_tp against transformers' native ``tp_plan="auto"``,
 inference forward and a training step, fp32 and bf16, tokens per second, and collectives per forward.
 
-    python bench/forward.py [--batch 4] [--seq 512] [--repeats 5] [--tp 2] [--layer-only]
+    python -m bench.forward [--batch 4] [--seq 512] [--repeats 5] [--tp 2] [--layer-only]
 
 A third row, ``hf_moe_tp loss_parallel``, is the training step with ``from_pretrained(loss_parallel=True)``:
 the logits split over the vocabulary are never gathered (``hf_moe_tp`` takes its loss from them too, then
@@ -24,9 +24,9 @@ import argparse
 from pathlib import Path
 
 import torch
-from allocator import user_env
-from collectives import count_bytes, rotated_medians
 
+from bench.allocator import user_env
+from bench.collectives import count_bytes, rotated_medians
 from hf_moe_tp.runtime.launch import run_on_ranks
 
 DEFAULT_DIR = Path.home() / ".cache/hf_moe_tp/bench-mixtral-1.5g"
@@ -135,7 +135,7 @@ def main() -> None:
     args = p.parse_args()
     malloc = user_env(args.pin_malloc)
     if not (args.dir / "config.json").is_file():
-        raise SystemExit(f"{args.dir} is missing: run bench/load.py first (it makes the checkpoint)")
+        raise SystemExit(f"{args.dir} is missing: run `python -m bench.load` first (it makes the checkpoint)")
     print(f"{args.dir.name}, TP={args.tp}, batch {args.batch} x {args.seq} tokens, median of {args.repeats}, {malloc}")
     tokens = args.batch * args.seq
     for dtype in args.dtypes:

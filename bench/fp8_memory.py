@@ -1,7 +1,7 @@
 """Parameter memory per rank of DeepSeek-V3 (671B: transformers' ``DeepseekV3Config()`` defaults) with its FP8 weights
 kept (``keep_quantized=True``) against the same model dequantized to bf16, at TP 8 and at TP 8 with EP 8.
 
-    python bench/fp8_memory.py [--tp 8]
+    python -m bench.fp8_memory [--tp 8]
 
 No weights: the model is built on the meta device, its FP8 layers made as a load of the hub's FP8 checkpoint makes
 them (the checkpoint's keys and shapes are transformers' save keys; every decoder linear and expert weight FP8 with

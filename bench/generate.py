@@ -1,7 +1,7 @@
 """Interactive generation at TP=2: hf_moe_tp against transformers' native ``tp_plan="auto"``, batch 1 and 8,
 greedy, the bench/load.py Mixtral-shaped model (hidden 1024, 16 experts of 1536, 4 layers, vocabulary 32000).
 
-    python bench/generate.py [--prompt 32] [--new 48] [--batches 1 8] [--dtypes bfloat16 float32] [--repeats 3]
+    python -m bench.generate [--prompt 32] [--new 48] [--batches 1 8] [--dtypes bfloat16 float32] [--repeats 3]
 
 Every variant (ours TP=2, ours with expert parallelism EP=2, transformers TP=2, transformers ``ep_size=2``) is
 loaded into the same 2 ranks and timed in rotation, each figure the median of ``--repeats`` rounds after a
@@ -20,10 +20,10 @@ import argparse
 from pathlib import Path
 
 import torch
-from allocator import user_env
-from collectives import count_bytes, rotated_medians
-from load import make_checkpoint
 
+from bench.allocator import user_env
+from bench.collectives import count_bytes, rotated_medians
+from bench.load import make_checkpoint
 from hf_moe_tp.runtime.launch import run_on_ranks
 
 DEFAULT_DIR = Path.home() / ".cache/hf_moe_tp/bench-mixtral-1.5g"

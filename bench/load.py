@@ -5,7 +5,7 @@ shaped, the hub's Qwen3-*-FP8 layout: per-expert e4m3 weights with 128 x 128 blo
 ``FineGrainedFP8Config(dequantize=True)``, and loaded keeping its FP8 weights (``keep_quantized=True``: the
 params column then counts FP8 weights, their scales and the bf16 rest).
 
-    python bench/load.py [--tp 2] [--repeats 5] [--only plain|fp8|layouts] [--dir ~/.cache/hf_moe_tp/bench-mixtral-1.5g]
+    python -m bench.load [--tp 2] [--repeats 5] [--only plain|fp8|layouts] [--dir ~/.cache/hf_moe_tp/bench-mixtral-1.5g]
 
 ``--only layouts`` loads the same fp32 checkpoint on 4 ranks at the training layouts (TP 4, dp_shard 4,
 dp_shard 2 x tp 2, dp_replicate 2 x dp_shard 2 with and without ``read_once``, dp_shard 2 x ep 2) and prints,
@@ -42,15 +42,15 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
-from allocator import user_env
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
+from bench.allocator import user_env
+from bench.quantize import to_fp8
 from hf_moe_tp.runtime.launch import run_on_ranks
 
 CONFIG = dict(hidden_size=1024, intermediate_size=1536, num_local_experts=16, num_experts_per_tok=2,
@@ -66,12 +66,12 @@ FP8_CONFIG = dict(hidden_size=1024, intermediate_size=3072, moe_intermediate_siz
 
 
 def make_fp8_checkpoint(path: Path) -> int:
-    """Write the FP8 checkpoint if it is not there (tests/quantized_families.py); return its size in bytes."""
+    """Write the FP8 checkpoint if it is not there (a random model saved, then made FP8 by bench/quantize.py);
+    return its size in bytes."""
     if not (path / "config.json").is_file():
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from quantized_families import save_fp8
-
-        save_fp8(Qwen3MoeConfig(**FP8_CONFIG), path, (128, 128), dtype=torch.bfloat16)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(Qwen3MoeConfig(**FP8_CONFIG)).save_pretrained(path)
+        to_fp8(path, (128, 128), dtype=torch.bfloat16)
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 

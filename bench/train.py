@@ -1,7 +1,7 @@
 """Train the bench Mixtral-shaped model at (dp 2 x tp 2) on 4 gloo ranks: hf_moe_tp against transformers' native
 ``DistributedConfig(tp_size=2, fsdp_size=2)``, fp32 and bf16, training tokens per second and peak memory per rank.
 
-    python bench/train.py [--layers 1] [--batch 4] [--seq 256] [--repeats 3] [--loss-parallel] [--trainer] [--lora]
+    python -m bench.train [--layers 1] [--batch 4] [--seq 256] [--repeats 3] [--loss-parallel] [--trainer] [--lora]
                           [--expert-load]
 
 The model is bench/load.py's Mixtral shape (hidden 1024, 16 experts of 1536, top-2, 16 heads, 8 KV heads,
@@ -76,10 +76,10 @@ import sys
 from pathlib import Path
 
 import torch
-from allocator import user_env
-from collectives import rotated_medians
-from load import CONFIG
 
+from bench.allocator import user_env
+from bench.collectives import rotated_medians
+from bench.load import CONFIG
 from hf_moe_tp.runtime.launch import run_on_ranks
 
 WORLD, TP, DP = 4, 2, 2

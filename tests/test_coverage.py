@@ -1,4 +1,4 @@
-"""The per-family coverage matrix (bench/coverage.py): a representative subset in the default run, every MoE
+"""The per-family coverage matrix (bench.coverage): a representative subset in the default run, every MoE
 family of the installed transformers with ``pytest -m coverage``.
 
 The subset takes families that tests/test_loading.py does not already cover and that pass in docs/models.md:
@@ -21,7 +21,6 @@ forward under ``generate``). Inkling's full class loads, matches and saves back 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -32,6 +31,9 @@ import torch
 import transformers
 from packaging.version import Version
 
+from bench import coverage as cov
+from bench import coverage_multimodal as mm
+
 ROOT = Path(__file__).resolve().parents[1]
 SUBSET = ["aria", "minimax_m3_vl", "flex_olmo", "deepseek_v2", "qwen3_vl_moe", "kimi_linear"]
 if Version(transformers.__version__) >= Version("5.25"):  # families transformers 5.25 adds
@@ -39,42 +41,19 @@ if Version(transformers.__version__) >= Version("5.25"):  # families transformer
 MULTIMODAL = {"ernie4_5_vl_moe": ["image", "video"], "glm4v_moe": ["image", "video"], "unlimited_ocr": ["image"]}
 
 
-def _cov():
-    """bench/coverage.py as a module (bench/ is not a package)."""
-    name = "hf_moe_tp_bench_coverage"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / "coverage.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-def _ours(path: str, kind: str, full: bool = True) -> dict:  # runs on the ranks (importable as test_coverage)
-    return _cov().run_ours(path, kind, full)
-
-
-def _multimodal(path: str, inputs: str, full: bool = True) -> dict:  # on the ranks
-    _cov()
-    import coverage_multimodal
-
-    return coverage_multimodal.run_multimodal(path, inputs, full)
-
-
 @pytest.fixture(scope="module")
 def families():
-    return {f.name: f for f in _cov().discover() if f.name in [*SUBSET, *MULTIMODAL, "inkling"]}
+    return {f.name: f for f in cov.discover() if f.name in [*SUBSET, *MULTIMODAL, "inkling"]}
 
 
 @pytest.mark.parametrize("name", SUBSET)
 def test_family_subset(ranks, families, tmp_path, name):
-    cov = _cov()
     assert name in families, f"{name} not discovered in the installed transformers"
     path, kind = cov.save_tiny(families[name], tmp_path, expert_hidden=24)
-    result = ranks(2).run(_ours, str(path), kind)[0]
+    result = ranks(2).run(cov.run_ours, str(path), kind)[0]
     assert cov.ours_passes(result) == "", result
     path, kind = cov.save_tiny(families[name], tmp_path, expert_hidden=21)  # odd: uneven shards
-    result = ranks(2).run(_ours, str(path), kind, False)[0]
+    result = ranks(2).run(cov.run_ours, str(path), kind, False)[0]
     assert cov.ours_passes(result) == "", result
 
 
@@ -82,16 +61,14 @@ def test_family_subset(ranks, families, tmp_path, name):
 def test_multimodal_family(ranks, families, tmp_path, name):
     """The full class at TP=2 with an image (and a video where it takes one): features, logits, greedy generate,
     SGD step; and the odd expert width."""
-    _cov()
-    import coverage_multimodal as mm
 
     path, inputs = mm.save_multimodal(families[name], tmp_path, expert_hidden=24)
-    result = ranks(2).run(_multimodal, str(path), str(inputs))[0]
+    result = ranks(2).run(mm.run_multimodal, str(path), str(inputs))[0]
     assert result["class"] == mm.multimodal_type(families[name])[1]
     assert mm.multimodal_passes(result) == (MULTIMODAL[name], "", ""), result
     assert result["tokens_equal"] and result["step_effect"] > 0.1, result  # generate ran; the step moved logits
     path, inputs = mm.save_multimodal(families[name], tmp_path, expert_hidden=21)
-    result = ranks(2).run(_multimodal, str(path), str(inputs), False)[0]
+    result = ranks(2).run(mm.run_multimodal, str(path), str(inputs), False)[0]
     assert mm.multimodal_passes(result) == (MULTIMODAL[name], "", ""), result
 
 
@@ -113,8 +90,6 @@ def test_inkling_interleaved_gate_up(ranks, families, tmp_path, monkeypatch):
     (column-wise: each rank reads every other row of its half). At TP 2 with I = 21 the logits match transformers'
     one process and saving writes back the checkpoint transformers wrote, tensor for tensor; a box of 11 of the
     shared expert's 21 rows reads every other checkpoint row, as transformers' conversion places them."""
-    _cov()
-    import coverage_multimodal as mm
     from safetensors.torch import load_file
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter
@@ -162,10 +137,8 @@ def test_inkling_interleaved_gate_up(ranks, families, tmp_path, monkeypatch):
 
 def test_multimodal_discovery():
     """The vision-language and omni families and the classes their checkpoints declare."""
-    _cov()
-    import coverage_multimodal as mm
 
-    found = {f.name: mm.multimodal_type(f) for f in _cov().discover()}
+    found = {f.name: mm.multimodal_type(f) for f in cov.discover()}
     found = {name: mm_type for name, mm_type in found.items() if mm_type}
     assert found["qwen3_vl_moe"] == ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration")
     assert found["qwen3_omni_moe"] == ("qwen3_omni_moe_thinker", "Qwen3OmniMoeThinkerForConditionalGeneration")
@@ -175,7 +148,7 @@ def test_multimodal_discovery():
 
 
 def test_discovery_finds_the_decorated_families():
-    names = {f.name for f in _cov().discover()}
+    names = {f.name for f in cov.discover()}
     assert {"mixtral", "qwen3_moe", "gpt_oss", "llama4", "nemotron_h"} <= names
     assert len(names) >= 50
 
@@ -184,13 +157,13 @@ def test_discovery_finds_the_decorated_families():
 def test_full_matrix(tmp_path):
     """Every discovered family (about 5 minutes on 2 cores); at least 95% pass."""
     out = tmp_path / "results.json"
-    subprocess.run([sys.executable, str(ROOT / "bench" / "coverage.py"), "--out", str(tmp_path / "models.md"),
+    subprocess.run([sys.executable, "-m", "bench.coverage", "--out", str(tmp_path / "models.md"),
                     "--json", str(out)], check=True, cwd=ROOT, timeout=3600)
     results = json.loads(out.read_text())
     failing = {r["family"]: r["ours_reason"] for r in results if r["ours"] != "pass"}
     assert len(failing) <= 0.05 * len(results), failing
     multimodal = [r for r in results if r["mm_class"]]
     unexplained = {r["family"]: r["mm_reason"] for r in multimodal if r["mm_reason"] and r["family"] not in
-                   _cov().MM_NOTES}  # hf_moe_tp failing a full class: only the known, explained gaps
+                   cov.MM_NOTES}  # hf_moe_tp failing a full class: only the known, explained gaps
     assert not unexplained, unexplained
     assert sum(bool(r["mm_verified"]) for r in multimodal) >= 19  # with images, as docs/models.md (5.24) reports
