@@ -38,6 +38,9 @@ PRIVATE: dict[str, Private] = {p.path: p for p in (
             "LoRA B columns of whole experts under ExpertParallel (FSDP2 makes the same placement)"),
     Private("torch", "torch.testing._internal.distributed.fake_pg:FakeStore", TORCH,
             "inspect's fake process group of the layout's size"),
+    Private("torch", "torch._C:_clear_DTensor_sharding_propagator_cache", TORCH,
+            "one process playing several ranks in turn (tests on the fake process group): DTensor's op cache takes "
+            "meshes of one shape as equal whatever the rank, and would hand back the previous rank's mesh"),
     Private("torch", "torch.distributed.device_mesh:DeviceMesh._get_root_mesh", TORCH,
             "whether a 1-D mesh was cut from one covering the world; inspect's root layout"),
     Private("torch", "torch.distributed.distributed_c10d:_set_pg_timeout", TORCH,
@@ -137,6 +140,11 @@ def strided_shard(dim: int, split_factor: int):
 def fake_store():
     """A store for torch's ``"fake"`` backend (no communication, no processes)."""
     return resolve("torch.testing._internal.distributed.fake_pg:FakeStore")()
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions (before this process plays another rank of the same mesh)."""
+    resolve("torch._C:_clear_DTensor_sharding_propagator_cache")()
 
 
 def in_backward() -> bool:

@@ -1,23 +1,21 @@
-"""Loading at training layouts (4 gloo ranks): the model takes its final FSDP x TP (x EP) layout on the meta
-device first, so every rank reads exactly the boxes it holds. Each local shard equals its slice of transformers'
-own model on the same files (fp32, exact), and bytes read per rank stay within what it holds plus 2%. Training
-steps at these layouts against one process: tests/test_training.py."""
+"""Loading at training layouts on real gloo ranks, for what needs them: HSDP's ``read_once`` (the first replica reads,
+its peers receive every shard by broadcast), FP8 checkpoints dequantized into FSDP shards, and inspect's
+predictions against real loads. Each local shard equals its slice of transformers' own model on the same files
+(fp32, exact), and bytes read per rank stay within what it holds plus 2%. The plain layouts, every rank's shards up to
+8 ranks: tests/test_final_shards.py (in one process, fake process group). Training steps at these layouts against
+one process: tests/test_training.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
-from families import configs, reference_expert_weights, save_family
+from families import configs, save_family
 from quantized_families import save_dequantized_copy, save_fp8
-from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
+from shards import compare_shards, reference_tensors
 
 import hf_moe_tp
-from hf_moe_tp import GroupedExperts
-from hf_moe_tp.checkpoint.loading import local_box
 
 LAYOUTS = {
     "tp4": {},
@@ -49,30 +47,9 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-def _reference_tensors(model, reference: str) -> dict[str, torch.Tensor]:
-    """Every tensor of ``model``'s state dict, whole, from transformers' own model of ``reference``."""
-    ref = AutoModelForCausalLM.from_pretrained(reference, experts_implementation="eager")
-    params = dict(ref.named_parameters())
-    out = {**dict(ref.named_buffers()), **params}
-    for name, module in model.named_modules():
-        if isinstance(module, GroupedExperts):
-            out.update({f"{name}.{k}": v for k, v in reference_expert_weights(params, name, module).items()})
-    return out
-
-
 def _load(path: str, reference: str, kwargs: dict) -> dict:
     model = hf_moe_tp.from_pretrained(path, **kwargs)
-    expected = _reference_tensors(model, reference)
-    wrong, held, seen = [], 0, set()
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        held += local.numel() * local.element_size()
-        whole = expected[name].detach()
-        if not torch.equal(local, whole[tuple(slice(a, b) for a, b in local_box(tensor))]):
-            wrong.append(name)
+    wrong, held = compare_shards(model, reference_tensors(model, reference))
     report = model.hf_moe_tp_load
     return {"wrong": wrong, "held": held, "read": report.bytes_read, "received": report.bytes_received,
             "rank": dist.get_rank(), "checkpoint": sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))}
@@ -92,9 +69,11 @@ def _check(results: list[dict], layout: str) -> None:
         assert sum(r["read"] for r in results) <= replicas * results[0]["checkpoint"] * (1 + ALIGNMENT), results
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
-def test_each_rank_reads_its_final_shard(ranks, checkpoints, kind, layout):
+def test_read_once_broadcasts_each_shard(ranks, checkpoints, kind):
+    """HSDP (dp_replicate 2 x dp_shard 2) with ``read_once``: the second replica reads nothing and holds exactly
+    transformers' values, received from its peer of the first."""
+    layout = "dp_replicate2_dp2_read_once"
     _check(ranks(4).run(_load, *checkpoints(kind), LAYOUTS[layout]), layout)
 
 

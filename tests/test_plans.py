@@ -31,15 +31,10 @@ def test_unit_colwise_splits_key_and_value_with_the_query():
 
 
 @pytest.fixture
-def fake_ranks():
-    """A process group of two ranks that communicate nothing (torch's ``fake`` backend), in this process."""
-    import torch.distributed as dist
-
-    from hf_moe_tp._compat import fake_store
-
-    dist.init_process_group("fake", rank=0, world_size=2, store=fake_store())
-    yield
-    dist.destroy_process_group()
+def fake_ranks(fake_world):
+    """Rank 0 of two ranks that communicate nothing (torch's ``fake`` backend), in this process."""
+    with fake_world(0, 2):
+        yield
 
 
 def test_loss_parallel_plan_is_what_from_pretrained_applies(fake_ranks):
