@@ -77,6 +77,11 @@ def save_model(config, path: Path, *, packed: bool = False, seed: int = 0) -> Pa
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0, 1.0 if "embed_tokens" in name else p.shape[-1] ** -0.5)
+            elif "norm" not in name:  # biases, attention sinks: not constant, so their sharding is exercised
+                p.normal_(0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # small next to the spread of sigmoid scores
+                b.normal_(0, 0.1)
     model.save_pretrained(path)
     if packed:
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
