@@ -90,7 +90,7 @@ def _train_and_save(src: str, out: str) -> torch.Tensor:
     return logits
 
 
-def _failing_saves(src: str, root: str) -> dict[str, str | None]:
+def _failing_saves(src: str, root: str, read_only: str) -> dict[str, str | None]:
     """Saves that must fail on every rank: each case's SaveError message on this rank (None: no error)."""
     model = hf_moe_tp.from_pretrained(src)
     root = Path(root)
@@ -105,8 +105,7 @@ def _failing_saves(src: str, root: str) -> dict[str, str | None]:
 
     attempt("out_dir_is_file", root / "a_file")
     attempt("below_a_file", root / "a_file" / "sub")
-    if (root / "read_only").is_dir():
-        attempt("read_only", root / "read_only")
+    attempt("read_only", Path(read_only))
 
     # rank 0 fails writing its third tensor (in the second shard), while the others go on gathering
     original_write = saving.SafetensorsWriter.write
@@ -222,13 +221,18 @@ def test_multi_shard(ranks, checkpoints, family, tmp_path):
 
 
 def test_failed_save_raises_on_every_rank_and_leaves_no_files(ranks, checkpoints, tmp_path):
-    """Output path a file, below a file, or read-only (not as root); rank 0 failing mid-file or while moving files
-    into place: every rank raises the same SaveError naming the path, and no file of the save is left."""
+    """Output path a file, below a file, or a directory no file can be created in; rank 0 failing mid-file or while
+    moving files into place: every rank raises the same SaveError naming the path, and no file of the save is left.
+    The directory: one with mode 555, or as root (who writes through permission bits, as CI runs) /sys/kernel,
+    where sysfs refuses new files to root too (EPERM, or EROFS where /sys is mounted read-only)."""
     (tmp_path / "a_file").write_text("not a directory")
-    read_only = os.geteuid() != 0  # root writes through permission bits: no such case there
-    if read_only:
-        (tmp_path / "read_only").mkdir(mode=0o555)
-    per_rank = ranks(2).run(_failing_saves, str(checkpoints("mixtral")), str(tmp_path))
+    if os.geteuid() == 0:
+        read_only = Path("/sys/kernel")
+    else:
+        read_only = tmp_path / "read_only"
+        read_only.mkdir(mode=0o555)
+    before = sorted(read_only.iterdir())
+    per_rank = ranks(2).run(_failing_saves, str(checkpoints("mixtral")), str(tmp_path), str(read_only))
     assert per_rank[0] == per_rank[1], per_rank
     messages = per_rank[0]
     assert f"cannot save to {tmp_path / 'a_file'}" in messages["out_dir_is_file"]
@@ -236,9 +240,9 @@ def test_failed_save_raises_on_every_rank_and_leaves_no_files(ranks, checkpoints
     assert re.search(r"cannot write \S+/write_fails/model-\d{5}-of-\d{5}\.safetensors: OSError: .*No space left",
                      messages["write_fails"]), messages["write_fails"]
     assert "Permission denied" in messages["install_fails"]
-    if read_only:
-        assert f"cannot save to {tmp_path / 'read_only'}: PermissionError" in messages["read_only"]
-        assert list((tmp_path / "read_only").iterdir()) == []
+    assert re.search(rf"cannot save to {re.escape(str(read_only))}: (PermissionError|OSError: .*Read-only file system)",
+                     messages["read_only"] or ""), messages["read_only"]
+    assert sorted(read_only.iterdir()) == before
     assert (tmp_path / "a_file").read_text() == "not a directory"
     for case in ("write_fails", "install_fails"):
         assert list((tmp_path / case).iterdir()) == [], case  # no final names, no temporary folder
