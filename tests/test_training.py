@@ -86,16 +86,22 @@ def train_steps(path: str, kwargs: dict, steps: int = STEPS, fused: bool = False
     """``steps`` steps at the layout ``kwargs`` give and in one process; per-step loss and total norm."""
     model = layout_model(path, kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused or None)
-    meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
     data = batches(model.config.vocab_size, steps)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loss, norm = run_steps(model, opt, data)
     ref_loss, ref_norm = reference_steps(path, data)
-    return {"loss": loss, "ref_loss": ref_loss, "norm": norm, "ref_norm": ref_norm, "meshes": len(meshes),
-            "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
+    return {"loss": loss, "ref_loss": ref_loss, "norm": norm, "ref_norm": ref_norm, **mesh_facts(model),
             # FSDP2 hooks a unit's outputs for backward; an in-place op on an output that is a view drops the hook
             "view_outputs": [str(w.message)[:80] for w in caught if "returned a view tensor" in str(w.message)]}
+
+
+def mesh_facts(model) -> dict:
+    """Whether every parameter is a DTensor, and how many distinct device meshes the parameters are on
+    (clip_grad_norm_ stacks the per-parameter norms: one call covers them only on one mesh)."""
+    params = list(model.parameters())
+    return {"all_dtensor": all(isinstance(p, DTensor) for p in params),
+            "meshes": len({p.device_mesh for p in params if isinstance(p, DTensor)})}
 
 
 def check(results: list[dict]) -> None:
@@ -197,8 +203,8 @@ def _resume(path: str, kwargs: dict, checkpoint: str, done: int, more: int) -> d
     data = batches(model.config.vocab_size, done + more)
     loss, norm = run_steps(model, opt, data[done:])
     ref_loss, ref_norm = reference_steps(path, data)
-    return {"loss": loss, "ref_loss": ref_loss[done:], "norm": norm, "ref_norm": ref_norm[done:], "meshes": 1,
-            "all_dtensor": True}
+    return {"loss": loss, "ref_loss": ref_loss[done:], "norm": norm, "ref_norm": ref_norm[done:],
+            **mesh_facts(model)}
 
 
 RESHARDS = {  # (world, layout saved, layout resumed)
@@ -227,8 +233,8 @@ def _distributed_config(path: str, fields: dict) -> dict:
     loss, norm = run_steps(model, opt, data)
     ref_loss, ref_norm = reference_steps(path, data)
     dp = getattr(model, "hf_moe_tp_dp_mesh", None)
-    return {"loss": loss, "ref_loss": ref_loss, "norm": norm, "ref_norm": ref_norm, "all_dtensor": True,
-            "meshes": len({p.device_mesh for p in model.parameters()}), "dp_size": dp.size() if dp else 1,
+    return {"loss": loss, "ref_loss": ref_loss, "norm": norm, "ref_norm": ref_norm, **mesh_facts(model),
+            "dp_size": dp.size() if dp else 1,
             "param_dtype": str(model.model.layers[0].mlp.gate.weight.dtype)}
 
 
@@ -255,6 +261,15 @@ def _through_transformers(path: str, fields: dict):
 def _mixed_precision(path: str) -> dict:
     model = _through_transformers(path, dict(tp_size=2, fsdp_size=2, fsdp_mixed_precision=True,
                                              fsdp_cpu_offload=True))
+    from hf_moe_tp.parallel.experts import GroupedExperts
+
+    # the dtype the forward actually computes in: a decoder layer's and the experts' input hidden states
+    seen: dict[str, set] = {"layer": set(), "experts": set()}
+    experts = next(m for m in model.modules() if isinstance(m, GroupedExperts))
+    model.model.layers[-1].register_forward_pre_hook(
+        lambda m, args, kwargs: seen["layer"].add(str((args[0] if args else kwargs["hidden_states"]).dtype)),
+        with_kwargs=True)
+    experts.register_forward_pre_hook(lambda m, args: seen["experts"].add(str(args[0].dtype)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = batches(model.config.vocab_size)
     loss, _ = run_steps(model, opt, data)
@@ -262,7 +277,7 @@ def _mixed_precision(path: str) -> dict:
     state = model.model.layers[0]._get_fsdp_state()._fsdp_param_group
     return {"loss": max(abs(a - b) for a, b in zip(loss, ref_loss, strict=True)),
             "param_dtype": str(state.mp_policy.param_dtype), "offload": type(state.offload_policy).__name__,
-            "dp": model.hf_moe_tp_dp_mesh.size(),
+            "dp": model.hf_moe_tp_dp_mesh.size(), "activations": seen,
             "stored": str(next(model.parameters()).dtype)}
 
 
@@ -274,6 +289,7 @@ def test_fsdp_mixed_precision_and_offload(ranks, checkpoints):
     for r in ranks(4).run(_mixed_precision, checkpoints("mixtral")):
         assert r["param_dtype"] == "torch.bfloat16" and r["offload"] == "OffloadPolicy" and r["dp"] == 2, r
         assert r["stored"] == "torch.float32" and r["loss"] <= 2e-2, r
+        assert r["activations"] == {"layer": {"torch.bfloat16"}, "experts": {"torch.bfloat16"}}, r["activations"]
 
 
 def _refused(path: str, fields: dict) -> str | None:
@@ -364,8 +380,7 @@ def _users_own_fully_shard(path: str) -> dict:
     data = batches(model.config.vocab_size)
     loss, norm = run_steps(model, opt, data)
     ref_loss, ref_norm = reference_steps(path, data)
-    return {"loss": loss, "ref_loss": ref_loss, "norm": norm, "ref_norm": ref_norm, "all_dtensor": True,
-            "meshes": len({p.device_mesh for p in model.parameters()})}
+    return {"loss": loss, "ref_loss": ref_loss, "norm": norm, "ref_norm": ref_norm, **mesh_facts(model)}
 
 
 def test_users_own_fully_shard(ranks, checkpoints):
