@@ -232,6 +232,92 @@ def test_lora_on_routed_experts(ranks, checkpoints, tmp_path, layout):  # noqa: 
         assert r["merged"] <= TOL, r
 
 
+
+def _expert_adapters(model) -> dict:
+    """(the experts module's prefix, the targeted parameter's name) -> PEFT's ParamWrapper on it."""
+    from peft.tuners.lora import ParamWrapper
+
+    return {(n[:n.index(".mlp.experts")], m.parameter_name): m for n, m in model.named_modules()
+            if isinstance(m, ParamWrapper)}
+
+
+def _experts_against_peft_on_transformers(path: str) -> dict:
+    """LoRA on the routed experts at TP 2 against PEFT on transformers' own unsharded model, whose fused
+    gate_up_proj / down_proj PEFT targets too (target_parameters). One adapter of rank 2r on gate_up_proj holds
+    our w1 and w3 adapters (rank r each): A = [A1; A3] and B block-diagonal; down_proj's rank-2r adapter is w2's
+    padded with zeros. The same deltas, so the loss; the gradients of our adapters equal those blocks of its (its
+    zero blocks get gradients too, so the trajectories part after one step: one forward and backward here)."""
+    from peft import LoraConfig, get_peft_model
+
+    r, names = 4, ["mlp.experts.w1_weight", "mlp.experts.w3_weight", "mlp.experts.w2_weight"]
+    torch.manual_seed(0)
+    ours = get_peft_model(layout_model(path, {}), LoraConfig(r=r, init_lora_weights=False, target_parameters=names))
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train()
+    # rank 2r with alpha 4r: PEFT's scaling alpha / rank is 2, as ours (default alpha 8 at rank 4)
+    ref = get_peft_model(ref, LoraConfig(r=2 * r, lora_alpha=4 * r, init_lora_weights=False,
+                                         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    mine, theirs = _expert_adapters(ours), _expert_adapters(ref)
+    experts = ours.config.num_local_experts
+
+    def a(m):  # (E, rank, in): PEFT's lora_A rows are expert-major
+        w = m.lora_A["default"].weight
+        return (w.full_tensor() if isinstance(w, DTensor) else w).detach().reshape(experts, -1, w.shape[-1])
+
+    def b(m):  # (out, rank, E): lora_B's columns are rank-major
+        w = m.lora_B["default"].weight
+        return (w.full_tensor() if isinstance(w, DTensor) else w).detach().reshape(w.shape[0], -1, experts)
+
+    with torch.no_grad():
+        for (layer, pname), m in theirs.items():
+            if pname == "gate_up_proj":
+                w1, w3 = mine[layer, "w1_weight"], mine[layer, "w3_weight"]
+                new_a = torch.cat([a(w1), a(w3)], 1)
+                i = b(w1).shape[0]
+                new_b = torch.zeros(2 * i, 2 * r, experts)
+                new_b[:i, :r], new_b[i:, r:] = b(w1), b(w3)
+            else:
+                w2 = mine[layer, "w2_weight"]
+                new_a = torch.cat([a(w2), torch.zeros_like(a(w2))], 1)
+                new_b = torch.zeros(b(w2).shape[0], 2 * r, experts)
+                new_b[:, :r] = b(w2)
+            m.lora_A["default"].weight.copy_(new_a.reshape(-1, new_a.shape[-1]))
+            m.lora_B["default"].weight.copy_(new_b.reshape(new_b.shape[0], -1))
+
+    ids = batches(ours.config.vocab_size, 1)[0]
+    loss = ours(ids, labels=ids).loss
+    loss.backward()
+    ref_loss = ref(ids, labels=ids).loss
+    ref_loss.backward()
+
+    def grads(m):
+        ga, gb = m.lora_A["default"].weight.grad, m.lora_B["default"].weight.grad
+        ga, gb = (g.full_tensor() if isinstance(g, DTensor) else g for g in (ga, gb))
+        return ga.reshape(experts, -1, ga.shape[-1]), gb.reshape(gb.shape[0], -1, experts)
+
+    errors = {}
+    for (layer, pname), m in mine.items():
+        fused = theirs[layer, "down_proj" if pname == "w2_weight" else "gate_up_proj"]
+        ga, gb = grads(m)
+        ref_a, ref_b = grads(fused)
+        i = gb.shape[0]
+        if pname == "w3_weight":
+            ref_a, ref_b = ref_a[:, r:], ref_b[i:, r:]
+        else:
+            ref_a, ref_b = ref_a[:, :r], ref_b[:i, :r]
+        for which, got, want in (("A", ga, ref_a), ("B", gb, ref_b)):
+            errors[f"{layer}.{pname}.{which}"] = ((got - want).abs().max() / max(1.0, want.abs().max().item())).item()
+    return {"loss": abs(loss.item() - ref_loss.item()), "grads": errors, "adapters": (len(mine), len(theirs))}
+
+
+def test_lora_on_routed_experts_against_peft_on_transformers(ranks, checkpoints):  # noqa: F811 - the fixture
+    """Our expert adapters at TP 2 against PEFT's on transformers' own fused experts (not our model at TP 1): the
+    loss within 1e-5, every adapter gradient within 1e-5 * max(1, max |its gradient|)."""
+    for res in ranks(2).run(_experts_against_peft_on_transformers, checkpoints("mixtral")):
+        assert res["adapters"] == (6, 4), res["adapters"]  # 2 layers: w1, w3, w2 against gate_up_proj, down_proj
+        assert res["loss"] <= TOL, res
+        bad = {k: e for k, e in res["grads"].items() if not e <= TOL}
+        assert len(res["grads"]) == 12 and bad == {}, bad
+
 def _save_merge(path: str, layout: dict, out: str) -> dict:
     """A trained adapter saved through PEFT on every rank (only rank 0 may write), loaded back into a fresh TP
     model, merged into the TP model and saved as a hub checkpoint; the logits of each."""
