@@ -17,6 +17,10 @@ from hf_moe_tp.pretrained import LoadError
 
 STEPS = 3
 TOL = 1e-5
+# Adam's step is lr * m / (sqrt(v) + eps): an element whose gradient is ~1e-8 (round-off size) moves by up to lr
+# either way, so two runs differing only in round-off part by ~1e-5 in loss after a step. eps = 1e-6 damps such
+# elements, not real gradients (this batch's are up to ~1e-1).
+ADAMW = dict(lr=1e-2, eps=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +74,7 @@ def run_steps(model, opt, steps: list[torch.Tensor]) -> tuple[list[float], list[
 def reference_steps(path: str, steps: list[torch.Tensor]) -> tuple[list[float], list[float]]:
     """The same steps in one process on the whole batch, transformers' eager experts."""
     ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
     losses, norms = [], []
     for ids in steps:
         loss = ref(ids, labels=ids).loss
@@ -85,7 +89,7 @@ def reference_steps(path: str, steps: list[torch.Tensor]) -> tuple[list[float], 
 def train_steps(path: str, kwargs: dict, steps: int = STEPS, fused: bool = False) -> dict:
     """``steps`` steps at the layout ``kwargs`` give and in one process; per-step loss and total norm."""
     model = layout_model(path, kwargs)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused or None)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=fused or None)
     data = batches(model.config.vocab_size, steps)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -182,7 +186,7 @@ def _save_after_steps(path: str, kwargs: dict, checkpoint: str, steps: int) -> N
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model = layout_model(path, kwargs)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     run_steps(model, opt, batches(model.config.vocab_size, steps))
     model_state, optim_state = get_state_dict(model, opt)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=checkpoint)
@@ -195,7 +199,7 @@ def _resume(path: str, kwargs: dict, checkpoint: str, done: int, more: int) -> d
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model = layout_model(path, kwargs)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     model_state, optim_state = get_state_dict(model, opt)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=checkpoint)
@@ -228,7 +232,7 @@ def test_dcp_resumes_at_another_layout(ranks, checkpoints, tmp_path, case):
 def _distributed_config(path: str, fields: dict) -> dict:
     """transformers' from_pretrained with DistributedConfig(**fields) after install(): the model and 3 steps."""
     model = _through_transformers(path, fields)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     data = batches(model.config.vocab_size)
     loss, norm = run_steps(model, opt, data)
     ref_loss, ref_norm = reference_steps(path, data)
@@ -270,7 +274,7 @@ def _mixed_precision(path: str) -> dict:
         lambda m, args, kwargs: seen["layer"].add(str((args[0] if args else kwargs["hidden_states"]).dtype)),
         with_kwargs=True)
     experts.register_forward_pre_hook(lambda m, args: seen["experts"].add(str(args[0].dtype)))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     data = batches(model.config.vocab_size)
     loss, _ = run_steps(model, opt, data)
     ref_loss, _ = reference_steps(path, data)
@@ -341,7 +345,7 @@ def test_mixed_precision_refused_where_fsdp_leaves_the_experts(ranks, checkpoint
 def _save_from_layout(path: str, kwargs: dict, out: str) -> dict:
     """One training step at an FSDP2 layout, then hf_moe_tp.save_pretrained; the trained logits."""
     model = layout_model(path, kwargs)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     run_steps(model, opt, batches(model.config.vocab_size, 1))
     hf_moe_tp.save_pretrained(model, out)
     ids = batches(model.config.vocab_size, 1)[0]
@@ -376,7 +380,7 @@ def _users_own_fully_shard(path: str) -> dict:
     fully_shard(model, mesh=mesh["dp"])
     model.hf_moe_tp_dp_mesh = mesh["dp"]  # for data_parallel_rank below
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     data = batches(model.config.vocab_size)
     loss, norm = run_steps(model, opt, data)
     ref_loss, ref_norm = reference_steps(path, data)
