@@ -6,7 +6,10 @@ import os
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
+
+pytestmark = pytest.mark.slow  # a Jupyter kernel, ipyparallel engines and a Trainer fine-tune: 40 s
 
 NOTEBOOK = Path(__file__).parents[1] / "notebooks" / "quickstart.ipynb"
 
