@@ -86,6 +86,8 @@ MODEL_IGNORE_ON_LOAD = "_keys_to_ignore_on_load_unexpected"
 MODEL_IGNORE_ON_SAVE = "_keys_to_ignore_on_save"
 MODEL_WEIGHT_CONVERSIONS = "_weight_conversions"
 EXPERTS_APPLY_GATE = "_apply_gate"
+# torch's DeviceMesh: the process groups of its dimensions, held by the mesh (torch 2.13, 2.14)
+MESH_PROCESS_GROUPS = "_pg_registry"
 # PEFT's marks on a layer transformers split (it splits adapters after them)
 PEFT_TP_PLAN, PEFT_DEVICE_MESH = "_hf_tp_plan", "_hf_device_mesh"
 # Trainer methods hf_moe_tp.integrations.trainer wraps (the public ones too, with the private above)
@@ -145,6 +147,12 @@ def fake_store():
 def clear_dtensor_caches() -> None:
     """Forget DTensor's cached sharding decisions (before this process plays another rank of the same mesh)."""
     resolve("torch._C:_clear_DTensor_sharding_propagator_cache")()
+
+
+def mesh_process_groups(mesh) -> dict:
+    """The process groups ``mesh`` holds (name -> group; a slice's are in its root mesh's), empty where torch keeps
+    none on the mesh."""
+    return getattr(mesh, MESH_PROCESS_GROUPS, None) or {}
 
 
 def in_backward() -> bool:

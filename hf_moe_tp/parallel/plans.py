@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
 from transformers import PretrainedConfig
 
 from .._compat import MODEL_TP_PLAN, from_config
+from ..runtime.shutdown import release_at_exit
 from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
 from .hf_plan import entries, heads_divide, matches
@@ -239,6 +240,7 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
     (:func:`hf_moe_tp.pretrained.apply_plan`) is this after switching the integrations on."""
     plan = resolve_plan(plan)
     every = dict(plan)
+    release_at_exit(mesh, ep_mesh)  # the model keeps them alive: let their groups go at exit (runtime/shutdown.py)
     if ep_mesh is not None:
         experts = {k: v for k, v in plan.items() if isinstance(v, ExpertParallel)}
         parallelize_module(model, ep_mesh, experts)

@@ -1,5 +1,6 @@
 """Processes and collectives, below any model: local ranks (:mod:`.launch`), the notebook session (:mod:`.session`),
-bounded collectives and their errors (:mod:`.timeouts`), one outcome on every rank (:mod:`.agreement`).
+bounded collectives and their errors (:mod:`.timeouts`), one outcome on every rank (:mod:`.agreement`), the
+process groups a model holds let go at exit (:mod:`.shutdown`).
 
 Layering (runtime < parallel < checkpoint < integrations < cli; ``hf_moe_tp.pretrained`` above integrations): the
 bottom layer. Its modules import nothing of hf_moe_tp but :mod:`hf_moe_tp._compat`. This ``__init__`` imports
