@@ -309,12 +309,10 @@ def _refused(path: str, fields: dict) -> str | None:
     return None
 
 
+# every refused field, in one process: tests/test_parallel_config.py; here the path through transformers'
+# from_pretrained on real ranks, and the check that needs the world
 @pytest.mark.parametrize("fields,named", [
     (dict(tp_size=2, pp_size=2), "pp_size=2"),
-    (dict(tp_size=4, enable_sequence_parallel=True), "enable_sequence_parallel=True"),
-    (dict(tp_size=2, fsdp_size=2, fsdp_plan={"model.layers.*": "free_full_weight"}), "fsdp_plan="),
-    (dict(tp_size=4, ep_size=4, ep_plan={"model.layers.*.mlp.experts": "ep_dispatch_experts"}), "ep_plan="),
-    (dict(tp_size=4, ep_size=4, ep_implementation="deepgemm_megamoe"), "ep_implementation='deepgemm_megamoe'"),
     (dict(tp_size=1, fsdp_size=2, ep_size=2), "must equal the world size 4"),
 ])
 def test_unsupported_distributed_config_refused(ranks, checkpoints, fields, named):
