@@ -32,6 +32,7 @@ from .parallel.config import ParallelConfig, has_replicas
 from .parallel.expert_parallel import ExpertParallel
 from .parallel.experts import GroupedExperts
 from .parallel.fsdp import divide_expert_gradients, shard_data_parallel
+from .parallel.hf_plan import matches
 from .parallel.input_check import check_inputs_on, check_mode
 from .parallel.load_balance import balance_experts
 from .parallel.meshes import Layout, init_process_group, mesh_device, resolve_layout
@@ -246,11 +247,10 @@ def make_plan(model: nn.Module, parallel: ParallelConfig, layout: Layout) -> dic
     if parallel.tp_plan == "auto":
         plan = plans.tp_plan(model, mesh.size(), ep_size=ep_size, loss_parallel=parallel.loss_parallel)
     else:
-        plan = {}
-        if parallel.tp_plan is not None:
-            plan = plans.resolve_plan(parallel.tp_plan)
-        elif ep_size and ep_size > 1:
-            plan = {n: ExpertParallel() for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
+        plan = plans.resolve_plan(parallel.tp_plan) if parallel.tp_plan is not None else {}
+        if ep_size and ep_size > 1:  # whole experts wherever the plan leaves them (transformers' ep_size beside a
+            # tp_plan, e.g. DistributedConfig(enable_expert_parallel=True) -> ep_size=tp_size, tp_plan={})
+            plan.update(_experts_left(model, plan, ep_size))
         if parallel.loss_parallel:
             head = plans.output_embedding_name(model)
             plan[head] = plans.loss_parallel_head(model, plan.get(head), head)
@@ -258,6 +258,22 @@ def make_plan(model: nn.Module, parallel: ParallelConfig, layout: Layout) -> dic
         plan = {n: ExpertParallel(input_layout=s.input_layout, dispatch=parallel.ep_dispatch)
                 if isinstance(s, ExpertParallel) else s for n, s in plan.items()}
     return plan
+
+
+def _experts_left(model: nn.Module, plan: dict[str, ParallelStyle], ep_size: int) -> dict[str, ParallelStyle]:
+    """ExpertParallel for each GroupedExperts ``plan`` names nowhere; one it gives another style is refused (the
+    ``ep_size`` asked for would not reach it)."""
+    out = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, GroupedExperts):
+            continue
+        style = plan.get(name) or next((s for p, s in plan.items() if "*" in p and matches(name, p)), None)
+        if style is None:
+            out[name] = ExpertParallel()
+        elif not isinstance(style, ExpertParallel):
+            raise ValueError(f"ep_size={ep_size} with tp_plan giving {name} {style!r}: expert parallelism needs "
+                             f"ExpertParallel (or no entry) for the experts; drop ep_size or that entry")
+    return out
 
 
 def place(model: nn.Module, plan: dict[str, ParallelStyle], layout: Layout, parallel: ParallelConfig,

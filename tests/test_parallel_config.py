@@ -264,3 +264,4 @@ def test_each_step_alone(world, mixtral):
         expected = reference(ids).logits
         assert (model.eval()(ids).logits - expected).abs().max().item() <= 2e-5
         assert (whole(ids).logits - expected).abs().max().item() <= 2e-5
+

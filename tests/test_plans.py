@@ -61,3 +61,24 @@ def test_loss_parallel_without_a_split_head_is_refused(fake_ranks):
     config.tie_word_embeddings = True  # a tied head stays replicated
     with pytest.raises(ValueError, match=r"loss_parallel=True needs the output projection \(lm_head\) split"):
         plans.tp_plan(plans.meta_model(config), 2, loss_parallel=True)
+
+
+def test_ep_size_beside_a_dict_plan(fake_ranks):
+    """transformers' ``ep_size`` beside a ``tp_plan`` (``DistributedConfig(enable_expert_parallel=True)`` is
+    ``ep_size=tp_size, tp_plan={}``): whole experts wherever the plan leaves them; a plan giving them another style
+    is refused by name (the ep_size had been dropped silently: experts replicated)."""
+    from transformers.distributed import DistributedConfig
+
+    from hf_moe_tp import ExpertParallel, ParallelConfig, TensorParallel, pretrained
+
+    model = plans.meta_model(configs()["mixtral"])
+    config = ParallelConfig.from_distributed_config(DistributedConfig(tp_size=2, ep_size=2, tp_plan={}))
+    layout = pretrained.make_layout(config)
+    plan = pretrained.make_plan(model, config, layout)
+    assert set(plan) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+    assert all(isinstance(s, ExpertParallel) for s in plan.values())
+    plan = pretrained.make_plan(model, ParallelConfig(tp_plan={"lm_head": "colwise"}, ep_size=2), layout)
+    assert set(plan) == {"lm_head", "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+    tensor_parallel = ParallelConfig(tp_plan={"model.layers.*.mlp.experts": TensorParallel()}, ep_size=2)
+    with pytest.raises(ValueError, match=r"ep_size=2 with tp_plan giving model\.layers\.0\.mlp\.experts"):
+        pretrained.make_plan(model, tensor_parallel, layout)
