@@ -21,7 +21,7 @@ def test_groups_let_go_only_after_the_caller_destroyed_the_default_group():
         mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
         tp = mesh["tp"]
         shutdown.release_at_exit(tp)
-        assert shutdown._registered and tp in shutdown._meshes
+        assert shutdown._registered and shutdown._meshes.get(id(tp)) is tp
         held = mesh_process_groups(root_mesh(tp))
         assert held  # torch keeps the groups on the (root) mesh: what outlived destroy_process_group()
         shutdown._release()  # the group is still up: a job that did not destroy it is left alone

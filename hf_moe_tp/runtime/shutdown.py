@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import mesh_process_groups, root_mesh
 
-_meshes: weakref.WeakSet[DeviceMesh] = weakref.WeakSet()
+# by identity: meshes compare equal by shape and names (a WeakSet kept only the first of two equal meshes)
+_meshes: weakref.WeakValueDictionary[int, DeviceMesh] = weakref.WeakValueDictionary()
 _registered = False
 
 
@@ -30,13 +31,13 @@ def release_at_exit(*meshes: DeviceMesh | None) -> None:
     if not _registered:
         atexit.register(_release)
         _registered = True
-    _meshes.update(m for m in meshes if m is not None)
+    _meshes.update((id(m), m) for m in meshes if m is not None)
 
 
 def _release() -> None:
     if dist.is_available() and dist.is_initialized():
         return
-    for mesh in list(_meshes):
+    for mesh in list(_meshes.values()):
         for holder in (mesh, root_mesh(mesh)):  # a slice's groups live in its root mesh's registry
             if holder is not None:
                 mesh_process_groups(holder).clear()
