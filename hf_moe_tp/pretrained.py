@@ -8,6 +8,7 @@ integrations on: the core imports nothing from ``integrations``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 from pathlib import Path
@@ -44,6 +45,23 @@ from .runtime.timeouts import DEFAULT_TIMEOUT_S, explain_collective_failures, se
 PARALLEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ParallelConfig)}
 
 
+def _each_setting_once(fn):
+    """A parallel keyword passed beside ``parallel_config`` is refused by name, even one equal to its default (the
+    signature's defaults cannot tell a value passed from one left out); the same arguments on every rank give the
+    same refusal on every rank, before anything starts."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        both = [f"{k}={kwargs[k]!r}" for k in PARALLEL_DEFAULTS if k in kwargs]
+        if kwargs.get("parallel_config") is not None and both:
+            raise ValueError(f"parallel_config=... with {', '.join(both)}: pass each setting once, in the "
+                             f"ParallelConfig (dataclasses.replace(parallel_config, ...)) or as a keyword argument")
+        return fn(*args, **kwargs)
+
+    return call
+
+
+@_each_setting_once
 def from_pretrained(
     path: str | os.PathLike,
     *,

@@ -229,6 +229,8 @@ def test_resolve_arguments():
 def test_from_pretrained_refuses_config_and_keyword(world, mixtral):
     with pytest.raises(ValueError, match=r"parallel_config=\.\.\. with fsdp_size=2"):
         hf_moe_tp.from_pretrained(mixtral, parallel_config=ParallelConfig(), fsdp_size=2)
+    with pytest.raises(ValueError, match=r"parallel_config=\.\.\. with tp_plan='auto'"):  # equal to its default
+        hf_moe_tp.from_pretrained(mixtral, parallel_config=ParallelConfig(tp_plan=None), tp_plan="auto")
     with pytest.raises(ValueError, match="timeout must be a positive number of seconds, got -1"):
         hf_moe_tp.from_pretrained(mixtral, timeout=-1)
 
