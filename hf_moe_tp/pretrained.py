@@ -52,10 +52,8 @@ def _each_setting_once(fn):
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        both = [f"{k}={kwargs[k]!r}" for k in PARALLEL_DEFAULTS if k in kwargs]
-        if kwargs.get("parallel_config") is not None and both:
-            raise ValueError(f"parallel_config=... with {', '.join(both)}: pass each setting once, in the "
-                             f"ParallelConfig (dataclasses.replace(parallel_config, ...)) or as a keyword argument")
+        if kwargs.get("parallel_config") is not None:
+            _refuse_beside_config({k: kwargs[k] for k in PARALLEL_DEFAULTS if k in kwargs})
         return fn(*args, **kwargs)
 
     return call
@@ -224,15 +222,20 @@ def resolve_arguments(parallel_config: ParallelConfig | None = None, hf_kwargs: 
     elif not isinstance(parallel_config, ParallelConfig):
         raise ValueError(f"parallel_config must be a hf_moe_tp.ParallelConfig, got {type(parallel_config).__name__}")
     else:
-        given = [f"{k}={v!r}" for k, v in keywords.items() if v != PARALLEL_DEFAULTS[k]]
-        if given:
-            raise ValueError(f"parallel_config=... with {', '.join(given)}: pass each setting once, in the "
-                             f"ParallelConfig (dataclasses.replace(parallel_config, ...)) or as a keyword argument")
+        _refuse_beside_config({k: v for k, v in keywords.items() if v != PARALLEL_DEFAULTS[k]})
         parallel = parallel_config
     if parallel.keep_quantized and (hf_kwargs or {}).get("quantization_config") is not None:
         raise ValueError("keep_quantized=True with quantization_config=... (which asks to dequantize on read): pass "
                          "one of them")
     return parallel
+
+
+def _refuse_beside_config(given: dict[str, Any]) -> None:
+    """Parallel keywords ``given`` beside a ``parallel_config`` are refused, naming each."""
+    if given:
+        named = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        raise ValueError(f"parallel_config=... with {named}: pass each setting once, in the ParallelConfig "
+                         f"(dataclasses.replace(parallel_config, ...)) or as a keyword argument")
 
 
 def make_layout(parallel: ParallelConfig, device_mesh: DeviceMesh | None = None, timeout: float | None = None

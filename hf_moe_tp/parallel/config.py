@@ -12,6 +12,7 @@ this module imports neither library. Fields they set that cannot be honoured are
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import os
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ class ParallelConfig:
         """Refuse, by name, each field that is wrong on its own (types, sizes, names); no process group needed."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-        from .input_check import MODES
+        from .input_check import check_mode
 
         if not (self.tp_plan == "auto" or self.tp_plan is None or isinstance(self.tp_plan, dict)):
             raise ValueError(f"tp_plan must be 'auto', None or a dict of module names to styles, got "
@@ -86,8 +87,8 @@ class ParallelConfig:
             raise ValueError(f"offload_policy={self.offload_policy!r} must be a torch.distributed.fsdp.OffloadPolicy")
         if self.timeout is not None and not (_is_number(self.timeout) and self.timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
-        if self.check_inputs is not None and self.check_inputs not in MODES:  # the environment's: at load time
-            raise ValueError(f"check_inputs={self.check_inputs!r} must be one of {MODES}")
+        if self.check_inputs is not None:  # the environment variable's mode is checked at load time
+            check_mode(self.check_inputs)
         rate = self.expert_bias_update_rate
         if rate is not None and not (_is_number(rate) and rate > 0):
             raise ValueError(f"expert_bias_update_rate must be positive, got {rate}")
@@ -189,10 +190,7 @@ def _check_world(source: str, sizes: dict[str, int]) -> None:
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
     if world is None and "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])
-    product = 1
-    for size in sizes.values():
-        product *= size
-    if world is not None and product != world:
+    if world is not None and math.prod(sizes.values()) != world:
         raise ValueError(f"{source} {' x '.join(f'{k}={v}' for k, v in sizes.items())} must equal the world size "
                          f"{world}")
 
