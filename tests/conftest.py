@@ -1,10 +1,9 @@
-"""Shared fixtures: a pool of gloo ranks per world size, started once per session; one rank of a world of any size in
-this process, on torch's fake process group."""
+"""Shared fixtures: a pool of gloo ranks per world size, started once per session. One rank of a world of any size in
+this process, on torch's fake process group: ``fake_group.as_rank``."""
 
 from __future__ import annotations
 
 import pytest
-from fake_group import as_rank
 
 from hf_moe_tp.runtime.launch import RankPool
 
@@ -26,8 +25,3 @@ def ranks():
     for pool in pools.values():
         pool.close()
 
-
-@pytest.fixture
-def fake_world():
-    """``fake_world(rank, world_size)``: a context manager making this process that rank (``fake_group.as_rank``)."""
-    return as_rank

@@ -11,10 +11,12 @@ from hf_moe_tp import GroupedExperts
 from hf_moe_tp.checkpoint.loading import local_box
 
 
-def reference_tensors(model, reference: str) -> dict[str, torch.Tensor]:
-    """Every tensor of ``model``'s state dict, whole, from transformers' own model of ``reference`` (experts
-    rebuilt into GroupedExperts' names and layout)."""
-    ref = AutoModelForCausalLM.from_pretrained(reference, experts_implementation="eager")
+def reference_tensors(model, reference) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model``'s state dict, whole, from transformers' own model ``reference`` (or of the
+    checkpoint at that path), experts rebuilt into GroupedExperts' names and layout."""
+    ref = reference
+    if not isinstance(reference, torch.nn.Module):
+        ref = AutoModelForCausalLM.from_pretrained(reference, experts_implementation="eager")
     params = dict(ref.named_parameters())
     out = {**dict(ref.named_buffers()), **params}
     for name, module in model.named_modules():

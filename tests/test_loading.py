@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from families import grad_errors, reference_expert_weights, save_family
+from shards import compare_shards, reference_tensors
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import AutoModelForCausalLM
 
@@ -64,17 +65,8 @@ def _compare_with_transformers(path: str):
     routers = {n: p.placements for n, p in model.named_parameters() if n.endswith(("gate.weight", "router.weight"))}
     plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
 
-    # local shards equal the slices of the full tensors (gather-free check against transformers' weights)
-    shard_errors = []
-    ref_params = dict(ref.named_parameters())
-    for name, module in model.named_modules():
-        if isinstance(module, GroupedExperts):
-            for pname, tensor in reference_expert_weights(ref_params, name, module).items():
-                local = getattr(module, pname)
-                box = hf_moe_tp.checkpoint.loading.local_box(local)
-                expected = tensor[tuple(slice(a, b) for a, b in box)]
-                if not torch.equal(local.to_local(), expected):
-                    shard_errors.append(f"{name}.{pname}")
+    # every local shard equals its slice of transformers' tensors (gather-free)
+    shard_errors, _ = compare_shards(model, reference_tensors(model, ref))
 
     # reads, in bytes: per routed-expert checkpoint tensor at most this rank's share of it (the widest share of
     # an expert hidden split over the ranks; b2, down_proj_bias, is replicated by design and read whole), and all

@@ -4,6 +4,7 @@ deliberately left whole, or refused by name; never skipped into a partly split a
 from __future__ import annotations
 
 import pytest
+from fake_group import as_rank
 from families import configs
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -31,9 +32,9 @@ def test_unit_colwise_splits_key_and_value_with_the_query():
 
 
 @pytest.fixture
-def fake_ranks(fake_world):
+def fake_ranks():
     """Rank 0 of two ranks that communicate nothing (torch's ``fake`` backend), in this process."""
-    with fake_world(0, 2):
+    with as_rank(0, 2):
         yield
 
 
