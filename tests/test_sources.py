@@ -11,6 +11,7 @@ import itertools
 import pytest
 import torch
 from families import save_family
+from transformers import AutoConfig
 
 from hf_moe_tp.checkpoint.conversions import read_map
 from hf_moe_tp.checkpoint.files import Checkpoint
@@ -100,7 +101,7 @@ def test_read_map_covers_every_target_once(tmp_path, family, packed):
     path = save_family(family, tmp_path, packed=packed)
     ckpt = Checkpoint(path)
     try:
-        model = plans.meta_model(ckpt_config(path))
+        model = plans.meta_model(AutoConfig.from_pretrained(path))
         targets = load_targets(model)
         found = read_map(model, ckpt, targets)
         assert found.unused == []
@@ -115,8 +116,3 @@ def test_read_map_covers_every_target_once(tmp_path, family, packed):
     finally:
         ckpt.close()
 
-
-def ckpt_config(path):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(path)
