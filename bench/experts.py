@@ -60,8 +60,8 @@ def build(args, dtype):
         config._experts_implementation = name
         hf = MixtralExperts(config).to(dtype)
         with torch.no_grad():
-            hf.gate_up_proj.copy_(torch.cat([ours.w1_weight, ours.w3_weight], 1))
-            hf.down_proj.copy_(ours.w2_weight)
+            hf.gate_up_proj.copy_(ours.gate_up_proj)
+            hf.down_proj.copy_(ours.down_proj)
         impls[f"transformers {name}"] = hf
     return impls
 

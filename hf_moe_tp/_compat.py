@@ -32,10 +32,9 @@ TORCH, TRANSFORMERS = "torch 2.13.0, 2.14.1", "transformers 5.24.0, 5.25.0"
 PRIVATE: dict[str, Private] = {p.path: p for p in (
     Private("torch", "torch.distributed.tensor._utils:compute_local_shape_and_global_offset", TORCH,
             "the box of a DTensor this rank holds (_StridedShard included), for the loader"),
-    Private("torch", "torch.distributed.tensor._utils:_compute_local_shape_and_global_offset", TORCH,
-            "the box any rank of a layout holds, for inspect"),
     Private("torch", "torch.distributed.tensor.placement_types:_StridedShard", TORCH,
-            "LoRA B columns of whole experts under ExpertParallel (FSDP2 makes the same placement)"),
+            "packed gate/up experts under TensorParallel (transformers' packed_colwise places them so); LoRA B "
+            "columns of whole experts under ExpertParallel (FSDP2 makes the same placement)"),
     Private("torch", "torch.testing._internal.distributed.fake_pg:FakeStore", TORCH,
             "inspect's fake process group of the layout's size"),
     Private("torch", "torch._C:_clear_DTensor_sharding_propagator_cache", TORCH,
@@ -86,6 +85,9 @@ MODEL_IGNORE_ON_LOAD = "_keys_to_ignore_on_load_unexpected"
 MODEL_IGNORE_ON_SAVE = "_keys_to_ignore_on_save"
 MODEL_WEIGHT_CONVERSIONS = "_weight_conversions"
 EXPERTS_APPLY_GATE = "_apply_gate"
+# DTensor's torch DCP protocol (save: write items; load: chunk list, then the view of each chunk), which
+# hf_moe_tp.parallel.boxes.checkpoint_pieces extends to local tensors of several pieces (torch 2.13, 2.14)
+DCP_HOOKS = ("__create_write_items__", "__create_chunk_list__", "__get_tensor_shard__")
 # torch's DeviceMesh: the process groups of its dimensions, held by the mesh (torch 2.13, 2.14)
 MESH_PROCESS_GROUPS = "_pg_registry"
 # PEFT's marks on a layer transformers split (it splits adapters after them)
@@ -128,15 +130,19 @@ def local_shape_and_offset(shape, mesh, placements) -> tuple[tuple[int, ...], tu
     return resolve("torch.distributed.tensor._utils:compute_local_shape_and_global_offset")(shape, mesh, placements)
 
 
-def local_shape_and_offset_at(shape, mesh_shape, coordinate, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The same for the rank at ``coordinate`` of a mesh of ``mesh_shape``."""
-    fn = resolve("torch.distributed.tensor._utils:_compute_local_shape_and_global_offset")
-    return fn(shape, mesh_shape, coordinate, placements)
-
-
 def strided_shard(dim: int, split_factor: int):
     """torch's ``_StridedShard(dim, split_factor=...)`` placement."""
-    return resolve("torch.distributed.tensor.placement_types:_StridedShard")(dim, split_factor=split_factor)
+    return _strided_shard_class()(dim, split_factor=split_factor)
+
+
+def is_strided_shard(placement) -> bool:
+    """Whether ``placement`` is torch's ``_StridedShard`` (not a ``Shard`` subclass in torch 2.13)."""
+    return isinstance(placement, _strided_shard_class())
+
+
+@functools.cache
+def _strided_shard_class() -> type:
+    return resolve("torch.distributed.tensor.placement_types:_StridedShard")
 
 
 def fake_store():

@@ -16,6 +16,7 @@ import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -23,21 +24,8 @@ from torch import nn
 from transformers.activations import ACT2CLS
 
 from hf_moe_tp._compat import EXPERTS_APPLY_GATE, default_apply_gate
-from hf_moe_tp.checkpoint.sources import Axis, Source
-from hf_moe_tp.parallel.experts import ExpertActivation, GroupedExperts
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    """How one family lays out its experts in transformers' module and packed checkpoints."""
-
-    num_experts: int
-    dim: int
-    hidden: int
-    transposed: bool = False
-    concatenated: bool = True
-    bias: bool = False
-    gated: bool = True
+from hf_moe_tp.checkpoint.sources import Axis, Source, identity
+from hf_moe_tp.parallel.experts import ExpertActivation, ExpertLayout, GroupedExperts
 
 
 class Adapter:
@@ -91,14 +79,15 @@ class Adapter:
         return ExpertActivation(activation_name(module.act_fn), gated=module.has_gate)
 
     def swap_experts(self, model: nn.Module) -> dict[str, ExpertLayout]:
-        """Replace every expert module by a GroupedExperts on the same device (meta stays meta)."""
+        """Replace every expert module by a GroupedExperts on the same device (meta stays meta), its parameters
+        named, shaped and ordered as the module's."""
         layouts = {}
         for name, module in list(model.named_modules()):
             if not self.is_experts(module):
                 continue
             layout = self.layout(module)
             new = self.new_experts(module, layout)
-            new.checkpoint_layout = layout  # read by the loader
+            _same_parameters(new, module, name)
             model.set_submodule(name, new)
             layouts[name] = layout
         return layouts
@@ -108,7 +97,8 @@ class Adapter:
         p = next(module.parameters())
         norm = module.post_expert_norm if getattr(module, "has_post_expert_norm", False) else None
         return GroupedExperts(layout.num_experts, layout.dim, layout.hidden, activation=self.activation(module),
-                              bias=layout.bias, post_expert_norm=norm, device=p.device, dtype=p.dtype)
+                              **experts_layout(layout), post_expert_norm=norm, config=getattr(module, "config", None),
+                              device=p.device, dtype=p.dtype)
 
     def plan_entries(self, model: nn.Module, tp_size: int | None) -> dict:
         """Styles this family needs beyond transformers' plan and its translation (module name -> ParallelStyle)."""
@@ -122,11 +112,15 @@ class Adapter:
         return {}
 
     def expert_sources(
-        self, prefix: str, layout: ExpertLayout, shapes: dict[str, tuple[int, ...]], per_expert: list[tuple[str, ...]]
+        self, prefix: str, layout: ExpertLayout, shapes: dict[str, tuple[int, ...]], per_expert: list[tuple[str, ...]],
+        interleaved: bool = False,
     ) -> dict[str, list[Source]]:
-        """Sources of ``{prefix}.w1_weight`` etc. from whichever format ``shapes`` (model-named keys) holds."""
-        if f"{prefix}.gate_up_proj" in shapes or f"{prefix}.up_proj" in shapes:
-            return packed_sources(prefix, layout, shapes)
+        """Sources of ``{prefix}.gate_up_proj`` etc. (the GroupedExperts of ``layout``) from whichever format
+        ``shapes`` (model-named keys) holds: transformers' packed tensors, or one tensor per expert and projection.
+        ``interleaved``: the checkpoint's packed gate/up rows interleave where the model's concatenate (Inkling2's
+        ``w13``)."""
+        if f"{prefix}.{layout.up_name}" in shapes:
+            return packed_sources(prefix, layout, shapes, interleaved)
         for names in per_expert + list(self.per_expert_names):
             if f"{prefix}.0.{names[-1]}.weight" in shapes:
                 return per_expert_sources(prefix, layout, names, shapes)
@@ -142,53 +136,69 @@ def _own_forward(cls: type) -> Callable | None:
     return None if code is None or code.co_filename == moe.__file__ else forward
 
 
-def packed_sources(prefix: str, layout: ExpertLayout, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[Source]]:
-    """transformers' own 3-D layout: gate_up_proj/up_proj and down_proj (+ ``_bias``), onto GroupedExperts'
-    (E, out, in) weights."""
-    e, h, i = layout.num_experts, layout.dim, layout.hidden
-    halves = {"w1": 0, "w3": 1} if layout.gated else {"w1": 0}
-    up_key = f"{prefix}.gate_up_proj" if layout.gated else f"{prefix}.up_proj"
-    width = 2 * i if layout.gated else i
+def experts_layout(layout: ExpertLayout) -> dict[str, Any]:
+    """GroupedExperts' keyword arguments for ``layout``."""
+    return dict(bias=layout.bias, transposed=layout.transposed, concatenated=layout.concatenated)
 
-    def half(which: int, ckpt_dim: int) -> Axis:
-        if not layout.gated:
-            return Axis(ckpt_dim)
-        return Axis(ckpt_dim, start=which * i, step=1) if layout.concatenated else Axis(ckpt_dim, start=which, step=2)
 
-    out: dict[str, list[Source]] = {}
-    for name, which in halves.items():
-        if layout.transposed:  # (E, H, width): each expert (in, out)
-            out[f"{name}_weight"] = [Source(up_key, (Axis(0), half(which, 2), Axis(1)), (e, h, width))]
-        else:  # (E, width, H): already (E, out, in)
-            out[f"{name}_weight"] = [Source(up_key, (Axis(0), half(which, 1), Axis(2)), (e, width, h))]
-        if layout.bias:
-            out[f"b{name[1]}"] = [Source(f"{up_key}_bias", (Axis(0), half(which, 1)), (e, width))]
-    down = f"{prefix}.down_proj"
-    if layout.transposed:  # (E, I, H)
-        out["w2_weight"] = [Source(down, (Axis(0), Axis(2), Axis(1)), (e, i, h))]
-    else:  # (E, H, I)
-        out["w2_weight"] = [Source(down, (Axis(0), Axis(1), Axis(2)), (e, h, i))]
-    if layout.bias:
-        out["b2"] = [Source(f"{down}_bias", (Axis(0), Axis(1)), (e, h))]
-    return {f"{prefix}.{k}": v for k, v in out.items()}
+def _same_parameters(new: GroupedExperts, module: nn.Module, name: str) -> None:
+    """Register ``new``'s parameters in ``module``'s order (transformers' named_parameters order); any difference of
+    names or shapes is a layout this adapter misread, refused by name."""
+    theirs = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False)}
+    ours = {n: tuple(p.shape) for n, p in new.named_parameters(recurse=False)}
+    if theirs != ours:
+        raise NotImplementedError(f"{name} ({type(module).__name__}): its parameters {theirs} are not the ones "
+                                  f"GroupedExperts holds for its layout {ours}; this family needs an adapter in "
+                                  "model_patches/")
+    new._parameters = {n: new._parameters[n] for n in theirs}
+
+
+def packed_sources(prefix: str, layout: ExpertLayout, shapes: dict[str, tuple[int, ...]], interleaved: bool = False
+                   ) -> dict[str, list[Source]]:
+    """transformers' own 3-D layout: the checkpoint's ``gate_up_proj``/``up_proj`` and ``down_proj`` (+ ``_bias``) are
+    the parameters themselves; a checkpoint whose gate/up rows interleave (``interleaved``) where the model's
+    concatenate fills each half with one strided read."""
+    out = {name: [identity(name, shapes[name])] for name in [f"{prefix}.{n}" for n in layout.shapes()]
+           if name in shapes}
+    if not interleaved:
+        return out
+    if not (layout.concatenated and layout.gated):
+        raise NotImplementedError(f"{prefix}: a checkpoint interleaving gate/up rows into experts that do not "
+                                  "concatenate them")
+    i = layout.hidden
+    for name in [f"{prefix}.{n}" for n in (layout.up_name, f"{layout.up_name}_bias") if f"{prefix}.{n}" in shapes]:
+        # interleaved in the checkpoint, concatenated in the model
+        shape = tuple(shapes[name])
+        dim = 1 if name.endswith("_bias") or not layout.transposed else 2
+        out[name] = [Source(name, tuple(Axis(d, start=which, step=2, at=which * i, size=i) if d == dim else Axis(d)
+                                        for d in range(len(shape))), shape) for which in (0, 1)]
+    return out
 
 
 def per_expert_sources(
     prefix: str, layout: ExpertLayout, names: tuple[str, ...], shapes: dict[str, tuple[int, ...]]
 ) -> dict[str, list[Source]]:
-    """Hub layout: one ``nn.Linear`` per expert and projection, ``{prefix}.{e}.{name}.weight`` of (out, in)."""
+    """Hub layout: one ``nn.Linear`` per expert and projection, ``{prefix}.{e}.{name}.weight`` of (out, in), each
+    filling its expert's rows (gate, then up) of the packed parameters."""
     h, i = layout.dim, layout.hidden
-    targets = dict(zip(("w1", "w3", "w2") if layout.gated else ("w1", "w2"), names, strict=True))
+    if layout.gated and not layout.concatenated:
+        raise NotImplementedError(f"{prefix}: per-expert checkpoint keys into interleaved gate/up experts")
+    up = layout.up_name
+    # (model parameter, rows it fills from, checkpoint name, (out, in) of the checkpoint tensor)
+    parts = [(up, 0, names[0], (i, h))]
+    if layout.gated:
+        parts.append((up, i, names[1], (i, h)))
+    parts.append(("down_proj", 0, names[-1], (h, i)))
     out: dict[str, list[Source]] = {}
-    for target, name in targets.items():
-        shape = (h, i) if target == "w2" else (i, h)
-        out[f"{prefix}.{target}_weight"] = [
-            Source(f"{prefix}.{e}.{name}.weight", (e, Axis(0), Axis(1)), shape) for e in range(layout.num_experts)
-        ]
-        if layout.bias:
-            out[f"{prefix}.b{target[1]}"] = [
-                Source(f"{prefix}.{e}.{name}.bias", (e, Axis(0)), (shape[0],)) for e in range(layout.num_experts)
-            ]
+    for param, at, name, (rows, cols) in parts:
+        packed = param == up and layout.gated  # gate and up each fill half the rows
+        for e in range(layout.num_experts):
+            out_axis = Axis(0, at=at, size=rows) if packed else Axis(0)
+            dims = (e, Axis(1), out_axis) if layout.transposed else (e, out_axis, Axis(1))
+            out.setdefault(f"{prefix}.{param}", []).append(Source(f"{prefix}.{e}.{name}.weight", dims, (rows, cols)))
+            if layout.bias:
+                out.setdefault(f"{prefix}.{param}_bias", []).append(
+                    Source(f"{prefix}.{e}.{name}.bias", (e, out_axis), (rows,)))
     return out
 
 
@@ -250,6 +260,11 @@ class FamilyGate(ExpertActivation):
         else:
             gate_up = torch.stack([h1, h3], dim=-1).flatten(-2)
         return self.gate_fn(gate_up)
+
+    def on_packed(self, h: torch.Tensor, concatenated: bool) -> torch.Tensor:
+        if concatenated == self.concatenated:  # packed as the family's gate expects it
+            return self.gate_fn(h)
+        return super().on_packed(h, concatenated)
 
 
 # activation functions some families use as plain functions rather than modules

@@ -9,7 +9,7 @@ from torch import nn
 
 from hf_moe_tp.parallel.experts import GroupedExperts
 
-from .base import Adapter, ExpertLayout
+from .base import Adapter, ExpertLayout, experts_layout
 
 
 class ErgoAdapter(Adapter):
@@ -23,5 +23,5 @@ class ErgoAdapter(Adapter):
     def new_experts(self, module: nn.Module, layout: ExpertLayout) -> GroupedExperts:
         p = next(module.parameters())
         return GroupedExperts(layout.num_experts, layout.dim, layout.hidden, activation=self.activation(module),
-                              bias=layout.bias, post_expert_norm=module.post_expert_norm, norm_per_expert=True,
-                              device=p.device, dtype=p.dtype)
+                              **experts_layout(layout), post_expert_norm=module.post_expert_norm,
+                              norm_per_expert=True, config=module.config, device=p.device, dtype=p.dtype)

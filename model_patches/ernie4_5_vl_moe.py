@@ -17,10 +17,10 @@ class Ernie45VLMoeAdapter(Adapter):
     name = "ernie4_5_vl_moe"
 
     def expert_sources(self, prefix: str, layout: ExpertLayout, shapes: dict[str, tuple[int, ...]],
-                       per_expert: list[tuple[str, ...]]) -> dict[str, list[Source]]:
+                       per_expert: list[tuple[str, ...]], interleaved: bool = False) -> dict[str, list[Source]]:
         mlp, _, group = prefix.removesuffix(".experts").rpartition(".")
         if group not in GROUPS or f"{mlp}.experts.0.down_proj.weight" not in shapes:
-            return super().expert_sources(prefix, layout, shapes, per_expert)
+            return super().expert_sources(prefix, layout, shapes, per_expert, interleaved)
         offset = GROUPS.index(group) * layout.num_experts
         names = ("gate_proj", "up_proj", "down_proj")
         real = {f"{prefix}.{e}.{n}.weight": f"{mlp}.experts.{offset + e}.{n}.weight"

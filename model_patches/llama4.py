@@ -39,7 +39,7 @@ class Llama4Adapter(Adapter):
     def new_experts(self, module: nn.Module, layout: ExpertLayout) -> GroupedExperts:
         p = module.gate_up_proj
         return GroupedExperts(layout.num_experts, layout.dim, layout.hidden,
-                              activation=ExpertActivation(activation_name(module.act_fn)),
+                              activation=ExpertActivation(activation_name(module.act_fn)), transposed=True,
                               score_before_experts=True, device=p.device, dtype=p.dtype)
 
     def swap_experts(self, model: nn.Module) -> dict[str, ExpertLayout]:

@@ -19,8 +19,6 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from hf_moe_tp import GroupedExperts
-
 COMMON = dict(vocab_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, tie_word_embeddings=False)
 
@@ -92,33 +90,14 @@ def save_model(config, path: Path, *, packed: bool = False, seed: int = 0) -> Pa
     return path
 
 
-def reference_expert_weights(ref_params: dict, name: str, module) -> dict[str, torch.Tensor]:
-    """w1_weight/w3_weight/w2_weight (+ biases) of our GroupedExperts ``module`` at ``name``, rebuilt from
-    transformers' own packed parameters ``ref_params`` (a reference model's ``named_parameters()``)."""
-    layout, i = module.checkpoint_layout, module.hidden
-    gate_up = ref_params[f"{name}.gate_up_proj"].detach()
-    down = ref_params[f"{name}.down_proj"].detach()
-    if layout.transposed:  # to (E, 2I, H) and (E, H, I)
-        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    halves = (slice(0, i), slice(i, 2 * i)) if layout.concatenated else (slice(0, None, 2), slice(1, None, 2))
-    full = {"w1_weight": gate_up[:, halves[0]], "w3_weight": gate_up[:, halves[1]], "w2_weight": down}
-    if layout.bias:
-        bias = ref_params[f"{name}.gate_up_proj_bias"].detach()
-        full.update(b1=bias[..., halves[0]], b3=bias[..., halves[1]], b2=ref_params[f"{name}.down_proj_bias"].detach())
-    return full
-
-
 def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def grad_errors(model, ref) -> dict[str, float]:
     """Per parameter of ``model``: max |whole gradient - reference gradient| / max(1, max |reference gradient|),
-    the reference's by name (experts' from transformers' packed tensors; a missing gradient counts as zero)."""
+    the reference's by name (a missing gradient counts as zero)."""
     ref_grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in ref.named_parameters()}
-    for name, module in model.named_modules():
-        if isinstance(module, GroupedExperts):
-            ref_grads.update({f"{name}.{k}": g for k, g in reference_expert_weights(ref_grads, name, module).items()})
     errors = {}
     for name, p in model.named_parameters():
         want = ref_grads.get(name)

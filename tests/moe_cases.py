@@ -23,14 +23,16 @@ def routing(tokens: int, experts: int, top_k: int, *, seed: int = 0, unused: tup
 
 def grouped_experts(
     experts: int, dim: int, hidden: int, *, seed: int = 0, bias: bool = False,
-    activation: ExpertActivation | None = None, dtype: torch.dtype = torch.float32,
+    activation: ExpertActivation | None = None, dtype: torch.dtype = torch.float32, transposed: bool = False,
+    concatenated: bool = True,
 ) -> GroupedExperts:
     """A GroupedExperts with O(1) outputs: weights ~ N(0, 1/fan_in), biases ~ N(0, 0.1)."""
     torch.manual_seed(seed)
-    m = GroupedExperts(experts, dim, hidden, bias=bias, activation=activation)
+    m = GroupedExperts(experts, dim, hidden, bias=bias, activation=activation, transposed=transposed,
+                       concatenated=concatenated)
     with torch.no_grad():
         for name, p in m.named_parameters():
-            fan_in = p.shape[2] if name.startswith("w") else 100
+            fan_in = 100 if name.endswith("_bias") else p.shape[1 if m.is_transposed else 2]
             p.copy_(torch.randn(p.shape) / fan_in**0.5)
     return m.to(dtype)
 
@@ -41,10 +43,10 @@ def mixtral_experts(ours: GroupedExperts, implementation: str) -> MixtralExperts
         hidden_size=ours.dim, intermediate_size=ours.hidden, num_local_experts=ours.num_experts, hidden_act="silu"
     )
     config._experts_implementation = implementation
-    hf = MixtralExperts(config).to(ours.w1_weight.dtype)
+    hf = MixtralExperts(config).to(ours.down_proj.dtype)
     with torch.no_grad():
-        hf.gate_up_proj.copy_(torch.cat([ours.w1_weight, ours.w3_weight], dim=1))
-        hf.down_proj.copy_(ours.w2_weight)
+        hf.gate_up_proj.copy_(ours.gate_up_proj)
+        hf.down_proj.copy_(ours.down_proj)
     return hf
 
 
@@ -55,12 +57,24 @@ def reference(m: GroupedExperts, x: torch.Tensor, index: torch.Tensor, weights: 
         tok, slot = torch.where(index == e)
         if tok.numel() == 0:
             continue
-        h1 = x[tok] @ m.w1[e] + (m.b1[e] if m.b1 is not None else 0)
-        h3 = x[tok] @ m.w3[e] + (m.b3[e] if m.b3 is not None else 0) if m.w3 is not None else None
-        y = m.activation(h1, h3) @ m.w2[e] + (m.b2[e] if m.b2 is not None else 0)
+        b1, b3, b2 = bias_views(m)
+        h1 = x[tok] @ m.w1[e] + (b1[e] if b1 is not None else 0)
+        h3 = x[tok] @ m.w3[e] + (b3[e] if b3 is not None else 0) if m.w3 is not None else None
+        y = m.activation(h1, h3) @ m.w2[e] + (b2[e] if b2 is not None else 0)
         out.index_add_(0, tok, (y * weights[tok, slot, None]).float())
     return out.to(x.dtype)
 
+
+
+def bias_views(m: GroupedExperts) -> tuple:
+    """The gate, up and down biases of ``m`` (E, hidden) / (E, dim), None where it has none."""
+    if not m.has_bias:
+        return None, None, None
+    up = getattr(m, f"{m.up_name}_bias")
+    if not m.has_gate:
+        return up, None, m.down_proj_bias
+    gate, upper = (up.chunk(2, dim=-1) if m.is_concatenated else (up[..., 0::2], up[..., 1::2]))
+    return gate, upper, m.down_proj_bias
 
 
 def mixtral_block(dim: int, hidden: int, experts: int, top_k: int, seed: int) -> MixtralSparseMoeBlock:
@@ -77,14 +91,11 @@ def mixtral_block(dim: int, hidden: int, experts: int, top_k: int, seed: int) ->
 
 
 def swap_in_grouped_experts(block: MixtralSparseMoeBlock) -> MixtralSparseMoeBlock:
-    """A copy of ``block`` with its experts as GroupedExperts (gate_up (E, 2I, H) -> w1_weight/w3_weight (E, I, H))."""
+    """A copy of ``block`` with its experts as GroupedExperts holding the same parameters."""
     block = copy.deepcopy(block)
     hf = block.experts
-    hidden = hf.intermediate_dim
-    ours = GroupedExperts(hf.num_experts, hf.hidden_dim, hidden, device="meta")
-    gate_up = hf.gate_up_proj.detach()
-    ours.w1_weight = torch.nn.Parameter(gate_up[:, :hidden].contiguous())
-    ours.w3_weight = torch.nn.Parameter(gate_up[:, hidden:].contiguous())
-    ours.w2_weight = torch.nn.Parameter(hf.down_proj.detach().clone())
+    ours = GroupedExperts(hf.num_experts, hf.hidden_dim, hf.intermediate_dim, device="meta")
+    ours.gate_up_proj = torch.nn.Parameter(hf.gate_up_proj.detach().clone())
+    ours.down_proj = torch.nn.Parameter(hf.down_proj.detach().clone())
     block.experts = ours
     return block

@@ -13,7 +13,7 @@ from moe_cases import grouped_experts, mixtral_experts, reference, routing
 from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-from hf_moe_tp import ExpertActivation
+from hf_moe_tp import ExpertActivation, GroupedExperts
 from hf_moe_tp.parallel import grouped_matmul as gmm
 
 TOKENS, EXPERTS, DIM, TOP_K = 64, 8, 32, 2
@@ -59,7 +59,61 @@ def test_matches_definition(dtype, hidden, act, bias):
     for name, g_ref in grads_ref.items():
         assert (grads[name].float() - g_ref.float()).abs().max() <= 4 * tolerance(dtype, g_ref), name
     # expert 3 received no tokens: its gradients exist and are zero
-    assert grads["w1_weight"][3].abs().max() == 0 and grads["w2_weight"][3].abs().max() == 0
+    assert grads[m.up_name][3].abs().max() == 0 and grads["down_proj"][3].abs().max() == 0
+
+
+@pytest.mark.parametrize("transposed,concatenated,bias", [(False, False, True), (True, True, False),
+                                                          (True, False, True), (False, True, True)])
+def test_layouts_match_definition(transposed, concatenated, bias):
+    """Every layout transformers describes (transposed: GPT-OSS, Llama 4; interleaved: GPT-OSS), gate and up by one
+    matmul of the packed weight, against the plain definition through the w1/w3/w2 views."""
+    act = ExpertActivation.clamped_swiglu(alpha=1.702, limit=0.5)
+    m = grouped_experts(EXPERTS, DIM, 18, bias=bias, activation=act, transposed=transposed, concatenated=concatenated)
+    index, weights = routing(TOKENS, EXPERTS, TOP_K)
+    x, upstream = torch.randn(TOKENS, DIM), torch.randn(TOKENS, DIM)
+    y, grads = run_with_grads(lambda x, w: m(x, index, w), m, x, weights, upstream)
+    y_ref, grads_ref = run_with_grads(lambda x, w: reference(m, x, index, w), m, x, weights, upstream)
+    assert (y - y_ref).abs().max() <= 1e-5
+    for name, g_ref in grads_ref.items():
+        assert (grads[name] - g_ref).abs().max() <= 4e-5, name
+
+
+def test_parameters_are_transformers():
+    """Names, shapes and order of each layout's parameters, as transformers' decorated expert modules hold them."""
+    cases = {(False, True, False): {"gate_up_proj": (8, 36, 32), "down_proj": (8, 32, 18)},
+             (True, False, True): {"gate_up_proj": (8, 32, 36), "gate_up_proj_bias": (8, 36), "down_proj": (8, 18, 32),
+                                   "down_proj_bias": (8, 32)}}
+    for (transposed, concatenated, bias), want in cases.items():
+        m = GroupedExperts(EXPERTS, DIM, 18, bias=bias, transposed=transposed, concatenated=concatenated)
+        assert {n: tuple(p.shape) for n, p in m.named_parameters()} == want
+        assert list(dict(m.named_parameters())) == list(want)
+        assert (m.is_transposed, m.is_concatenated, m.has_bias, m.has_gate) == (transposed, concatenated, bias, True)
+    ungated = GroupedExperts(EXPERTS, DIM, 18, activation=ExpertActivation("relu2", gated=False))
+    assert [n for n, _ in ungated.named_parameters()] == ["up_proj", "down_proj"] and ungated.w3 is None
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+def test_experts_implementations(monkeypatch, implementation):
+    """transformers' set_experts_implementation names: each runs (the loop, the kernel, gathered weights) and gives
+    the definition's numbers; any other is refused by name."""
+    config = GptOssConfig()
+    config._experts_implementation = implementation
+    calls = []
+    real = gmm._KERNEL
+    monkeypatch.setattr(gmm, "_KERNEL", lambda *a, **k: calls.append(1) or real(*a, **k))
+    m = grouped_experts(EXPERTS, DIM, 32)
+    m.config = config
+    index, weights = routing(TOKENS, EXPERTS, TOP_K)
+    x, upstream = torch.randn(TOKENS, DIM), torch.randn(TOKENS, DIM)
+    y, grads = run_with_grads(lambda x, w: m(x, index, w), m, x, weights, upstream)
+    y_ref, grads_ref = run_with_grads(lambda x, w: reference(m, x, index, w), m, x, weights, upstream)
+    assert (y - y_ref).abs().max() <= 1e-5
+    for name, g_ref in grads_ref.items():
+        assert (grads[name] - g_ref).abs().max() <= 4e-5, name
+    assert bool(calls) == (implementation == "grouped_mm")
+    config._experts_implementation = "sonicmoe"
+    with pytest.raises(NotImplementedError, match="experts_implementation 'sonicmoe'"):
+        m(x, index, weights)
 
 
 # transformers' grouped_mm raises on the odd sizes (no fallback), so those run against its eager loop only.
@@ -77,11 +131,8 @@ def test_matches_transformers_mixtral_experts(implementation, dtype, hidden):
     y_hf, grads_hf = run_with_grads(lambda x, w: hf(x, index, w), hf, x, weights, upstream)
     tol = tolerance(dtype, y_hf)
     assert (y.float() - y_hf.float()).abs().max() <= tol
-    gate_up = grads_hf["gate_up_proj"]  # (E, 2I, H): the same memory order as ours
-    mapped = {"w1_weight": gate_up[:, :hidden], "w3_weight": gate_up[:, hidden:], "w2_weight": grads_hf["down_proj"]}
-    for name in ("hidden_states", "top_k_weights"):
-        mapped[name] = grads_hf[name]
-    for name, g_hf in mapped.items():
+    assert set(grads) == set(grads_hf)  # the same parameters, by name
+    for name, g_hf in grads_hf.items():
         assert (grads[name].float() - g_hf.float()).abs().max() <= 4 * tolerance(dtype, g_hf), name
 
 
@@ -96,14 +147,9 @@ def test_matches_transformers_gpt_oss_experts():
         for p in hf.parameters():
             p.copy_(torch.randn(p.shape) / 4)
     act = ExpertActivation.clamped_swiglu(alpha=config.swiglu_alpha, limit=config.swiglu_limit)
-    m = grouped_experts(EXPERTS, DIM, hidden, bias=True, activation=act)
-    with torch.no_grad():
-        m.w1.copy_(hf.gate_up_proj[..., ::2])
-        m.w3.copy_(hf.gate_up_proj[..., 1::2])
-        m.b1.copy_(hf.gate_up_proj_bias[..., ::2])
-        m.b3.copy_(hf.gate_up_proj_bias[..., 1::2])
-        m.w2.copy_(hf.down_proj)
-        m.b2.copy_(hf.down_proj_bias)
+    m = grouped_experts(EXPERTS, DIM, hidden, bias=True, activation=act, transposed=True, concatenated=False)
+    assert list(dict(m.named_parameters())) == list(dict(hf.named_parameters()))
+    m.load_state_dict(hf.state_dict())
     index, weights = routing(TOKENS, EXPERTS, 4)
     x = torch.randn(TOKENS, DIM) * 3  # large enough that the clamps engage
     y, y_hf = m(x, index, weights), hf(x, index, weights)
@@ -111,40 +157,46 @@ def test_matches_transformers_gpt_oss_experts():
     assert (x @ hf.gate_up_proj[0]).abs().max() > config.swiglu_limit
 
 
-@pytest.mark.parametrize("dtype,hidden,kernel", [(torch.float32, 32, True), (torch.float32, 18, False),
-                                                 (torch.bfloat16, 32, True), (torch.bfloat16, 20, False)])
-def test_kernel_when_aligned_loop_otherwise(monkeypatch, dtype, hidden, kernel):
+# kernel calls per forward: gate/up (N = 2 * hidden) and down (K = hidden), each where its strides are multiples of
+# 16 bytes; hidden 18 in fp32 (and 20 in bf16) packs gate and up into an aligned 36 (40), down takes the loop
+@pytest.mark.parametrize("dtype,hidden,kernels", [(torch.float32, 32, 2), (torch.float32, 18, 1),
+                                                  (torch.bfloat16, 32, 2), (torch.bfloat16, 20, 1),
+                                                  (torch.float32, 17, 0)])
+def test_kernel_when_aligned_loop_otherwise(monkeypatch, dtype, hidden, kernels):
     calls = []
     real = gmm._KERNEL
     monkeypatch.setattr(gmm, "_KERNEL", lambda *a, **k: calls.append(1) or real(*a, **k))
     m = grouped_experts(EXPERTS, DIM, hidden, dtype=dtype)
     index, weights = routing(TOKENS, EXPERTS, TOP_K)
     m(torch.randn(TOKENS, DIM).to(dtype), index, weights)
-    assert len(calls) == (3 if kernel else 0)
+    assert len(calls) == kernels
 
 
-@pytest.mark.parametrize("dtype,hidden,kernel", [(torch.float32, 32, True), (torch.float32, 18, False),
-                                                 (torch.bfloat16, 32, True)])
-def test_storage_and_views(monkeypatch, dtype, hidden, kernel):
-    """Weights stored (E, out, in) and contiguous (FSDP2 shards them), ``w1``/``w3``/``w2`` their transposed views
-    (writable: the seed's (E, dim, hidden) / (E, hidden, dim)); the kernel runs on the transposed views where
-    aligned, and the gradients arrive in the parameters' own layout (no transposing copy per step)."""
+@pytest.mark.parametrize("dtype,hidden,kernels", [(torch.float32, 32, 2), (torch.float32, 18, 1),
+                                                  (torch.bfloat16, 32, 2)])
+def test_storage_and_views(monkeypatch, dtype, hidden, kernels):
+    """Weights stored as transformers stores them, (E, out, in) and contiguous (FSDP2 shards them), ``w1``/``w3``
+    /``w2`` views of them (writable: the seed's (E, dim, hidden) / (E, hidden, dim)); the kernel runs on the
+    transposed packed weights where aligned (one matmul for gate and up), and the gradients arrive in the
+    parameters' own layout (no transposing copy per step)."""
     calls = []
     real = gmm._KERNEL
     monkeypatch.setattr(gmm, "_KERNEL", lambda *a, **k: calls.append(1) or real(*a, **k))
     m = grouped_experts(EXPERTS, DIM, hidden, dtype=dtype)
-    assert m.w1_weight.shape == (EXPERTS, hidden, DIM) and m.w2_weight.shape == (EXPERTS, DIM, hidden)
+    assert m.gate_up_proj.shape == (EXPERTS, 2 * hidden, DIM) and m.down_proj.shape == (EXPERTS, DIM, hidden)
     assert all(p.is_contiguous() for p in m.parameters())
     assert m.w1.shape == (EXPERTS, DIM, hidden) and m.w2.shape == (EXPERTS, hidden, DIM)
-    assert m.w1.data_ptr() == m.w1_weight.data_ptr() and torch.equal(m.w3, m.w3_weight.transpose(1, 2))
+    assert m.w1.data_ptr() == m.gate_up_proj.data_ptr()
+    assert torch.equal(m.w3, m.gate_up_proj[:, hidden:].transpose(1, 2))
     with torch.no_grad():
         m.w2[1, 2, 3] = 7.0  # a view: writes land in the parameter
-    assert m.w2_weight[1, 3, 2] == 7.0
+        m.w3[0, 1, 2] = 5.0
+    assert m.down_proj[1, 3, 2] == 7.0 and m.gate_up_proj[0, hidden + 2, 1] == 5.0
     index, weights = routing(TOKENS, EXPERTS, TOP_K)
     x, g = torch.randn(TOKENS, DIM).to(dtype), torch.randn(TOKENS, DIM).to(dtype)
     (m(x, index, weights) * g).sum().backward()
     assert all(p.grad.stride() == p.stride() for p in m.parameters())
-    assert len(calls) == (3 if kernel else 0)  # 3 grouped matmuls per forward
+    assert len(calls) == kernels  # 2 grouped matmuls per forward where aligned: gate and up at once, then down
 
 
 @pytest.mark.parametrize("hidden", [32, 18])
@@ -154,7 +206,7 @@ def test_backward_of_plain_sum(hidden):
     index, weights = routing(TOKENS, EXPERTS, TOP_K)
     x = torch.randn(TOKENS, DIM, requires_grad=True)
     m(x, index, weights).sum().backward()
-    assert x.grad is not None and m.w1_weight.grad is not None
+    assert x.grad is not None and m.gate_up_proj.grad is not None
 
 
 @pytest.mark.parametrize("tokens,top_k", [(1, 1), (5, 3), (0, 2)])
@@ -166,7 +218,7 @@ def test_small_and_empty_batches(tokens, top_k):
     assert y.shape == (tokens, DIM)
     assert torch.allclose(y, reference(m, x, index, weights), rtol=0, atol=1e-5)
     (y * 1.0).sum().backward()
-    assert m.w1_weight.grad is not None and m.w1_weight.grad.shape == m.w1_weight.shape
+    assert m.gate_up_proj.grad is not None and m.gate_up_proj.grad.shape == m.gate_up_proj.shape
 
 
 def test_all_tokens_to_one_expert():

@@ -18,13 +18,13 @@ import torch.distributed as dist
 from families import COMMON, configs, save_family
 from quantized_families import save_dequantized_copy, save_fp8, save_mxfp4
 from safetensors import safe_open
+from shards import local_slice
 from test_decode_sync import host_waits_from_hf_moe_tp
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config, GptOssConfig
 
 import hf_moe_tp
 from hf_moe_tp.checkpoint.fp8 import Fp8Experts, Fp8Linear
-from hf_moe_tp.checkpoint.loading import local_box
 from hf_moe_tp.checkpoint.quantized import RepeatedScale
 
 FP32_TOL = 1e-5
@@ -69,25 +69,28 @@ def _rank_bytes(model) -> int:
     return sum(t.to_local().numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
 
 
-def _expected_local(path: str, module, weight: str, key_of) -> tuple[torch.Tensor, torch.Tensor]:
+def _expected_local(path: str, module, weight: str, keys_of) -> tuple[torch.Tensor, torch.Tensor]:
     """(the FP8 bytes, the repeated scales) this rank should hold for ``module.weight``, read whole from the file
-    and sliced here: ``key_of(e)`` is the checkpoint key of expert ``e`` (or of the linear, with e None)."""
+    and sliced here: ``keys_of(e)`` are the checkpoint keys of expert ``e`` (or of the linear, with e None) whose
+    (out, in) matrices the weight stacks along its rows (gate then up for a packed gate_up_proj)."""
     w, scales = getattr(module, weight), module.fp8_scales[weight]
-    box = tuple(slice(a, b) for a, b in local_box(w))
-    s_box = tuple(slice(a, b) for a, b in local_box(module._buffers[scales.scale]))
     with safe_open(Path(path) / "model.safetensors", "pt") as f:
         experts = range(w.shape[0]) if w.dim() == 3 else [None]
         values, grids = [], []
         for e in experts:
-            q, grid = f.get_tensor(key_of(e)), f.get_tensor(f"{key_of(e)}_scale_inv")
-            dim = scales.dim - (w.dim() - 2)  # the blocked dim of each (out, in) matrix, as the checkpoint's
-            other = 1 - dim  # repeated along the weight's other dim, each row or column its block's scale
-            block = scales.blocks[other]
-            values.append(q.view(torch.uint8))
-            grids.append(grid.repeat_interleave(block, other).narrow(other, 0, q.shape[other]))
+            parts, part_grids = [], []
+            for key in keys_of(e):
+                q, grid = f.get_tensor(key), f.get_tensor(f"{key}_scale_inv")
+                dim = scales.dim - (w.dim() - 2)  # the blocked dim of each (out, in) matrix, as the checkpoint's
+                other = 1 - dim  # repeated along the weight's other dim, each row or column its block's scale
+                block = scales.blocks[other]
+                parts.append(q.view(torch.uint8))
+                part_grids.append(grid.repeat_interleave(block, other).narrow(other, 0, q.shape[other]))
+            values.append(torch.cat(parts))
+            grids.append(torch.cat(part_grids))
     full = torch.stack(values) if w.dim() == 3 else values[0]
     full_scale = torch.stack(grids) if w.dim() == 3 else grids[0]
-    return full[box], full_scale[s_box]
+    return local_slice(full, w), local_slice(full_scale, module._buffers[scales.scale])
 
 
 def _transformers(path: str, quantization_config=None):
@@ -111,16 +114,16 @@ def _compare(path: str, kwargs: dict) -> dict:
     ref_tokens = ref.generate(IDS[:1], max_new_tokens=8, do_sample=False)
     experts = model.model.layers[1].mlp.experts
     checked = {}
-    for weight, name in (("w1_weight", "gate_proj"), ("w2_weight", "down_proj")):
-        want, want_scale = _expected_local(path, experts, weight,
-                                           lambda e, name=name: f"model.layers.1.mlp.experts.{e}.{name}.weight")
+    for weight, names in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+        want, want_scale = _expected_local(path, experts, weight, lambda e, names=names: [
+            f"model.layers.1.mlp.experts.{e}.{name}.weight" for name in names])
         local = getattr(experts, weight).to_local()
         checked[weight] = (torch.equal(local.view(torch.uint8), want),
                            torch.equal(experts._buffers[f"{weight}_scale"].to_local(), want_scale))
     for linear in ("q_b_proj", "o_proj"):
         module = getattr(model.model.layers[0].self_attn, linear)
         want, want_scale = _expected_local(path, module, "weight",
-                                           lambda e, linear=linear: f"model.layers.0.self_attn.{linear}.weight")
+                                           lambda e, linear=linear: [f"model.layers.0.self_attn.{linear}.weight"])
         checked[linear] = (torch.equal(module.weight.to_local().view(torch.uint8), want),
                            torch.equal(module.weight_scale.to_local(), want_scale))
     kept = [p for p in model.parameters() if p.dtype == torch.float8_e4m3fn]
@@ -156,7 +159,7 @@ def test_keep_quantized_matches_dequantized(ranks, fp8, world, kwargs):
             assert r["reads"] == ([(gate, ((0, 24), (0, 32))), (gate + "_scale_inv", ((0, 3), (0, 4)))]
                                   if rank == 0 else []), r["reads"]
         # DeepSeek-V3 tiny: 1 MoE layer; linears: 2 x (q_a, q_b, kv_a, kv_b, o) + dense MLP 3 + shared expert 3
-        assert r["modules"] == (1, 16) and r["kept"] == 3 + 16 and r["frozen"], r
+        assert r["modules"] == (1, 16) and r["kept"] == 2 + 16 and r["frozen"], r  # gate_up_proj, down_proj
 
 
 def _memory(path: str, kwargs: dict) -> tuple[int, int, int, int]:
@@ -307,7 +310,7 @@ def _splitting_plan() -> dict:
     from hf_moe_tp.parallel.styles import LocalParams
 
     return {"model.layers.0.self_attn.q_b_proj": ColwiseParallel(use_local_output=False),
-            "model.layers.1.mlp.experts": LocalParams(placements={"w1_weight": Shard(2)})}
+            "model.layers.1.mlp.experts": LocalParams(placements={"gate_up_proj": Shard(2)})}
 
 
 @pytest.mark.parametrize("case", ["mxfp4", "plain", "per-tensor", "fsdp", "quantization_config", "dtensor-style",
@@ -333,7 +336,7 @@ def test_refused_on_every_rank(ranks, fp8, case):
         "fsdp": "keep_quantized=True with FSDP2",
         "quantization_config": "keep_quantized=True with quantization_config",
         "dtensor-style": "FP8 linear model.layers.0.self_attn.q_b_proj is planned as ColwiseParallel",
-        "split-blocks": "splits model.layers.1.mlp.experts.w1_weight along dim 2",
+        "split-blocks": "splits model.layers.1.mlp.experts.gate_up_proj along dim 2",
     }[case]
     messages = ranks(2).run(_error, path, kwargs)
     for m in messages:
@@ -353,7 +356,7 @@ def _training(path: str) -> tuple[float, str]:
         m(IDS).logits.square().mean().backward()
         grads.append(m.model.embed_tokens.weight.grad.to_local())
     experts = model.model.layers[1].mlp.experts
-    experts.w1_weight.requires_grad_(True)
+    experts.gate_up_proj.requires_grad_(True)
     try:
         model(IDS)
     except RuntimeError as e:
@@ -368,7 +371,7 @@ def test_fp8_weights_frozen_gradients_flow(ranks, fp8):
     the dequantized model's); asking to train an FP8 weight raises naming it, on every rank."""
     for diff, message in ranks(2).run(_training, fp8("blocks8")):
         assert diff <= FP32_TOL, diff
-        assert "model.layers.1.mlp.experts.w1_weight is an FP8 weight kept quantized" in message, message
+        assert "model.layers.1.mlp.experts.gate_up_proj is an FP8 weight kept quantized" in message, message
 
 
 def _decode_waits(path: str, kwargs: dict, batch: int) -> list:
@@ -422,8 +425,9 @@ def test_repeated_scale_boxes(dtype):
 def _dtypes(path: str) -> tuple[bool, torch.dtype, set]:
     model = hf_moe_tp.from_pretrained(path, keep_quantized=True, dtype=torch.bfloat16)
     experts = model.model.layers[1].mlp.experts
-    in_file_order = experts.w1.dtype == torch.float8_e4m3fn and experts.w1.to_local().transpose(1, 2).is_contiguous()
-    return in_file_order, experts.w1_weight_scale.dtype, {p.dtype for p in model.parameters()}
+    gate_up = experts.gate_up_proj
+    in_file_order = gate_up.dtype == torch.float8_e4m3fn and gate_up.to_local().is_contiguous()
+    return in_file_order, experts.gate_up_proj_scale.dtype, {p.dtype for p in model.parameters()}
 
 
 def test_kept_layers_keep_the_checkpoint_dtypes(ranks, fp8):

@@ -8,13 +8,14 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from families import grad_errors, reference_expert_weights, save_family
+from families import grad_errors, save_family
 from shards import compare_shards, reference_tensors
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import AutoModelForCausalLM
 
 import hf_moe_tp
 from hf_moe_tp import GroupedExperts
+from hf_moe_tp._compat import strided_shard
 from hf_moe_tp.checkpoint import Checkpoint
 
 FP32_TOL = 2e-5
@@ -69,16 +70,14 @@ def _compare_with_transformers(path: str):
     shard_errors, _ = compare_shards(model, reference_tensors(model, ref))
 
     # reads, in bytes: per routed-expert checkpoint tensor at most this rank's share of it (the widest share of
-    # an expert hidden split over the ranks; b2, down_proj_bias, is replicated by design and read whole), and all
-    # of them together exactly the bytes of this rank's local expert shards (no whole expert read, none twice).
-    # Known excess: gate and up interleaved in one tensor (gpt_oss) are each read as the contiguous box around
-    # their strided rows (checkpoint/sources.py), 2h - 1 rows for h, so such a tensor is read about twice over.
+    # an expert hidden split over the ranks; down_proj_bias is replicated by design and read whole), and all
+    # of them together exactly the bytes of this rank's local expert shards (no whole expert read, none twice;
+    # interleaved gate/up, gpt_oss's, are whole pairs per rank, read as one box).
     world = dist.get_world_size()
     report = model.hf_moe_tp_load
     ckpt = Checkpoint(path)
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
-    interleaved = not all(m.checkpoint_layout.concatenated for m in experts)
-    share = max(-(-m.hidden // world) / m.hidden for m in experts) * (2 if interleaved else 1)
+    share = max(-(-m.hidden // world) / m.hidden for m in experts)
     read_bytes: dict[str, int] = {}
     for key, slices in report.reads:
         if re.search(r"(?<!shared_)experts\.", key):
@@ -88,7 +87,7 @@ def _compare_with_transformers(path: str):
             read_bytes[key] = read_bytes.get(key, 0) + n * _ELEMENT_BYTES[info.dtype]
     over_share = {k: (b, _nbytes(ckpt.tensors[k])) for k, b in read_bytes.items()
                   if not re.search(r"(down_proj_bias|down_proj\.bias)$", k) and b > share * _nbytes(ckpt.tensors[k])}
-    local_bytes = sum(_expected_read_bytes(m, n, p.to_local()) for m in experts for n, p in m.named_parameters())
+    local_bytes = sum(p.to_local().numel() * p.element_size() for m in experts for p in m.parameters())
 
     # one SGD step after comparing every gradient (whole) with the reference's by name: a gradient off by a
     # constant factor (reduced twice, say) shows in the gradients and in an SGD step, not in an Adam step.
@@ -115,6 +114,8 @@ def _compare_with_transformers(path: str):
         "logits_scale": ref_after.abs().max().item(),
         "step_effect": (ref_after - ref_logits).abs().max().item(),
         "expert_placements": placements,
+        "expected_expert_placements": {n: _packed_colwise(m) for n, m in model.named_modules()
+                                       if isinstance(m, GroupedExperts)},
         "router_placements": routers,
         "plain_params": plain,
         "shard_errors": shard_errors,
@@ -136,14 +137,17 @@ def _nbytes(info) -> int:
     return math.prod(info.shape) * _ELEMENT_BYTES[info.dtype]
 
 
-def _expected_read_bytes(module, name: str, local: torch.Tensor) -> int:
-    """Bytes read for ``local``, the shard of parameter ``name`` of GroupedExperts ``module``: its own, or for
-    gate/up interleaved in the checkpoint the box of 2h - 1 rows around its h strided ones."""
-    nbytes = local.numel() * local.element_size()
-    if module.checkpoint_layout.concatenated or name not in ("w1_weight", "w3_weight", "b1", "b3"):
-        return nbytes
-    h = local.shape[1]  # (E, I, H) or (E, I): the expert hidden dim
-    return nbytes // h * (2 * h - 1) if h else 0
+def _packed_colwise(m: GroupedExperts) -> dict:
+    """transformers' TP placements of experts: gate_up_proj split by its output features (packed_colwise:
+    _StridedShard(d, 2) where gate and up rows are concatenated, Shard(d) where they interleave), its bias alike,
+    down_proj by its input features (rowwise), down_proj_bias whole."""
+    out_dim, in_dim = (2, 1) if m.is_transposed else (1, 2)
+    out = {"gate_up_proj": (strided_shard(out_dim, 2) if m.is_concatenated else Shard(out_dim),),
+           "down_proj": (Shard(in_dim),)}
+    if m.has_bias:
+        out["gate_up_proj_bias"] = (strided_shard(1, 2) if m.is_concatenated else Shard(1),)
+        out["down_proj_bias"] = (Replicate(),)
+    return out
 
 
 def _check(results):
@@ -154,9 +158,7 @@ def _check(results):
         assert r["logits_after_step"] <= FP32_TOL + STEP_RTOL * r["step_effect"], (
             r["logits_after_step"], r["step_effect"], r["logits_scale"])
         assert r["expert_placements"], "no GroupedExperts"
-        for placements in r["expert_placements"].values():
-            assert placements["w1_weight"] == (Shard(1),) and placements["w3_weight"] == (Shard(1),)
-            assert placements["w2_weight"] == (Shard(2),)
+        assert r["expert_placements"] == r["expected_expert_placements"], r["expert_placements"]
         assert r["router_placements"] and all(p == (Replicate(),) for p in r["router_placements"].values())
         assert r["plain_params"] == []
         assert r["shard_errors"] == []
@@ -292,10 +294,6 @@ def _padded_batch(path: str):
     theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, experts_implementation="eager")
     run(ours), run(theirs)
     bf16 = {n: p.grad.float() for n, p in theirs.named_parameters()}
-    for name, module in ours.named_modules():
-        if isinstance(module, GroupedExperts):
-            bf16.update({f"{name}.{k}": v for k, v in reference_expert_weights(bf16, name, module).items()})
-            fp32.update({f"{name}.{k}": v for k, v in reference_expert_weights(fp32, name, module).items()})
     # per parameter, relative to the norm of its fp32 gradient: ours against transformers' bf16, and transformers'
     # bf16 against its fp32 (bf16's own round-off, for scale)
     out["bf16_grads"] = {n: ((_whole(p.grad).float() - bf16[n]).norm() / fp32[n].norm()).item() for n, p in

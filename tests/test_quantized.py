@@ -249,7 +249,7 @@ def _bf16(path: str, reference: str) -> tuple:
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits, ref_logits = model(ids).logits.float(), ref(ids).logits.float()
-    weights = {n: p.full_tensor() for n, p in model.named_parameters() if "experts.w" in n or "q_b_proj" in n}
+    weights = {n: p.full_tensor() for n, p in model.named_parameters() if "mlp.experts." in n or "q_" in n}
     diff = (logits - ref_logits).abs()
     agree = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
     kept = {n: p.dtype for n, p in model.named_parameters() if p.dtype != torch.bfloat16}
@@ -273,15 +273,11 @@ def test_bf16(ranks, quantized, kind):
             if world == 1:
                 assert diff <= 2**-5 * scale, (diff, scale)
             assert mean <= 2**-6 * scale and agree >= 0.95, (mean, scale, agree)
-            if kind == "fp8":  # the same bf16 bits as transformers' dequantized weights
-                w1 = weights["model.layers.1.mlp.experts.w1_weight"]
-                gate_up = ref_weights["model.layers.1.mlp.experts.gate_up_proj"]
-                assert torch.equal(w1, gate_up[:, : w1.shape[1]])
-                assert torch.equal(weights["model.layers.0.self_attn.q_b_proj.weight"],
-                                   ref_weights["model.layers.0.self_attn.q_b_proj.weight"])
-            else:
-                w2 = weights["model.layers.1.mlp.experts.w2_weight"]  # GPT-OSS stores it (E, I, H): transposed
-                assert torch.equal(w2, ref_weights["model.layers.1.mlp.experts.down_proj"].transpose(1, 2))
+            # the same bf16 bits as transformers' dequantized weights, by name
+            experts = "model.layers.1.mlp.experts"
+            for name in (f"{experts}.gate_up_proj", f"{experts}.down_proj", "model.layers.0.self_attn.q_proj.weight"
+                         if kind == "mxfp4" else "model.layers.0.self_attn.q_b_proj.weight"):
+                assert torch.equal(weights[name], ref_weights[name]), name
 
 
 # ---- the stored formats, box by box (no ranks) ----------------------------------------------------------------

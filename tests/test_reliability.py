@@ -81,7 +81,7 @@ CHECKPOINT_FAULTS = {
     "corrupt header": (_corrupt_header, ["model.safetensors", "cannot read the safetensors header"]),
     "index names a missing shard": (_index_missing_shard, ["model-00002-of-00002.safetensors", "do not exist"]),
     "missing parameter": (lambda p: _rewrite(p, lambda s: s.pop(EXPERT_KEY)),
-                          ["model.layers.1.mlp.experts.w3", "experts.2.w3.weight", "missing"]),
+                          ["model.layers.1.mlp.experts.gate_up_proj", "experts.2.w3.weight", "missing"]),
     "unexpected key": (lambda p: _rewrite(p, lambda s: s.update({"model.layers.0.extra.weight": torch.ones(2)})),
                        ["model.layers.0.extra.weight", "model.safetensors", "match no parameter"]),
     "shape disagrees with config": (

@@ -27,7 +27,8 @@ IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
 def checkpoints(tmp_path_factory):
     """``checkpoints(family, tied=False, odd=False)``: a tiny checkpoint written by transformers, made once.
 
-    ``odd``: expert hidden size 21, split 11/10 over two ranks (uneven gathers).
+    ``odd``: expert hidden size 21, split 11/10 over two ranks (uneven gathers); 23 for GPT-OSS, whose interleaved
+    gate/up pairs split 6/6/6/5 over four ranks (over two, 21 would cut a pair: refused).
     """
     root = tmp_path_factory.mktemp("ckpt")
     cache: dict = {}
@@ -37,7 +38,7 @@ def checkpoints(tmp_path_factory):
         if key not in cache:
             if odd:
                 config = configs()[family]
-                config.intermediate_size = 21
+                config.intermediate_size = 23 if family == "gpt_oss" else 21
                 cache[key] = save_model(config, root / f"{family}-odd")
             else:
                 cache[key] = save_family(family, root, tied=tied)
@@ -172,13 +173,13 @@ def test_round_trip_writes_transformers_checkpoint(ranks, checkpoints, family, t
         assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
-def test_trained_model_reloads_in_transformers(ranks, checkpoints, family, tmp_path):
-    """After one AdamW step at TP 2 (expert hidden 21: uneven shards), plain transformers computes the sharded
-    model's logits from the saved files."""
+@pytest.mark.parametrize("family,world", [("mixtral", 2), ("gpt_oss", 4)])
+def test_trained_model_reloads_in_transformers(ranks, checkpoints, family, world, tmp_path):
+    """After one AdamW step at TP 2 or 4 (uneven shards: a packed gate/up weight's halves each split 11/10, gpt_oss'
+    interleaved pairs 6/6/6/5), plain transformers computes the sharded model's logits from the saved files."""
     src = checkpoints(family, odd=True)
     out = tmp_path / "trained"
-    logits = ranks(2).run(_train_and_save, str(src), str(out))[0]
+    logits = ranks(world).run(_train_and_save, str(src), str(out))[0]
     assert (out / INDEX_FILE).is_file()
     reloaded = _logits(out)
     assert not torch.equal(reloaded, _logits(src))  # the step changed the weights

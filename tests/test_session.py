@@ -37,7 +37,7 @@ def shard_rows(name):
     import torch.distributed as dist
     return dist.get_rank(), tuple(model.get_parameter(name).to_local().shape)
 
-print("shards", session.run(shard_rows, "model.layers.0.mlp.experts.w1_weight"))
+print("shards", session.run(shard_rows, "model.layers.0.mlp.experts.gate_up_proj"))
 """,
     """%%px
 t = torch.ones(1)
@@ -85,7 +85,8 @@ def test_session_in_a_notebook(tmp_path):
     assert "[stdout:0]" in texts(1) and "[stdout:1]" in texts(1)
     tokens = {line.split("tokens")[1] for line in texts(2).splitlines() if "tokens" in line}
     assert len(tokens) == 1, texts(2)
-    assert "shards [(0, (4, 12, 32)), (1, (4, 12, 32))]" in texts(3), nb.cells[3].outputs  # split by hidden
+    # gate_up_proj: each rank 12 of the 24 gate rows and 12 of the up rows (split by hidden)
+    assert "shards [(0, (4, 24, 32)), (1, (4, 24, 32))]" in texts(3), nb.cells[3].outputs
     hang = texts(4)
     assert "[0:execute]" in hang and "RuntimeError" in hang and "[1:execute]" not in hang, hang
     busy = texts(5)

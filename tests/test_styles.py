@@ -14,6 +14,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 
 from hf_moe_tp import ExpertActivation, NoParallel, TensorParallel
+from hf_moe_tp._compat import strided_shard
 
 TOKENS, EXPERTS, DIM, TOP_K = 48, 8, 32, 2
 FP32_TOL = 1e-5
@@ -54,7 +55,7 @@ def _tp_matches_unsharded(hidden: int, bias: bool, activation: ExpertActivation,
     parallelize_module(m, mesh, TensorParallel())
 
     placements = {n: p.placements for n, p in m.named_parameters()}
-    local_hidden = m.w1.to_local().shape[2]  # the (E, dim, hidden) view of w1_weight, split by hidden
+    local_hidden = m.w1.to_local().shape[2]  # the (E, dim, hidden) gate view of gate_up_proj, split by hidden
 
     index, weights = routing(TOKENS, EXPERTS, TOP_K, seed=3, unused=(2,))
     torch.manual_seed(4)
@@ -86,7 +87,8 @@ def test_tp_matches_unsharded(ranks, world, hidden):
     results = ranks(world).run(_tp_matches_unsharded, hidden, False, ExpertActivation(), 0.5)
     expected_local = [len(c) for c in torch.arange(hidden).chunk(world)] + [0] * world
     for rank, r in enumerate(results):
-        assert r["placements"] == {"w1_weight": (Shard(1),), "w3_weight": (Shard(1),), "w2_weight": (Shard(2),)}
+        # transformers' packed_colwise: each rank its slice of the gate rows, then of the up rows
+        assert r["placements"] == {"gate_up_proj": (strided_shard(1, 2),), "down_proj": (Shard(2),)}
         assert r["local_hidden"] == expected_local[rank]
         assert r["output"] <= FP32_TOL and r["output_after_step"] <= FP32_TOL
         assert max(r["grads"].values()) <= FP32_TOL, r["grads"]
@@ -100,9 +102,11 @@ def test_tp_matches_unsharded(ranks, world, hidden):
 @pytest.mark.parametrize("activation", [ExpertActivation("gelu"), ExpertActivation.clamped_swiglu(limit=0.5),
                                         ExpertActivation("relu", gated=False)], ids=["gelu", "clamped", "ungated"])
 def test_tp_biases_and_activations(ranks, world, activation):
-    """b1/b3 split with their columns; b2 whole on every rank but added once."""
+    """The up projection's bias split with its rows; down_proj_bias whole on every rank but added once."""
     for r in ranks(world).run(_tp_matches_unsharded, 20, True, activation, None):
-        assert r["placements"]["b2"] == (Replicate(),) and r["placements"]["b1"] == (Shard(1),)
+        up = "gate_up_proj" if activation.gated else "up_proj"
+        split = strided_shard(1, 2) if activation.gated else Shard(1)
+        assert r["placements"]["down_proj_bias"] == (Replicate(),) and r["placements"][f"{up}_bias"] == (split,)
         assert r["output"] <= FP32_TOL and r["output_after_step"] <= FP32_TOL
         assert max(r["grads"].values()) <= FP32_TOL, r["grads"]
         assert max(r["params_after_step"].values()) <= FP32_TOL, r["params_after_step"]
@@ -141,10 +145,6 @@ def _block_matches_transformers(mesh_shape: tuple[int, ...]):
     yr = hf(xr)
     (yr * upstream).sum().backward()
     rgrads = {n: p.grad for n, p in hf.named_parameters()}
-    hidden = hf.experts.intermediate_dim
-    gate_up = rgrads.pop("experts.gate_up_proj")
-    rgrads.update({"experts.w1_weight": gate_up[:, :hidden], "experts.w3_weight": gate_up[:, hidden:],
-                   "experts.w2_weight": rgrads.pop("experts.down_proj")})
     return {
         "all_dtensors_on_tp": all_dtensors_on_tp,
         "gate_placements": block.gate.weight.placements,
@@ -197,7 +197,7 @@ def _sequence_sharded_io():
     return {
         "output": (y - yr[rows]).abs().max().item(),
         "input_grad": (xs.grad - xr.grad[rows]).abs().max().item(),
-        "w1_grad": (m.w1_weight.grad.full_tensor() - ref.w1_weight.grad).abs().max().item(),
+        "w1_grad": (m.gate_up_proj.grad.full_tensor() - ref.gate_up_proj.grad).abs().max().item(),
         "counts": {str(k): v for k, v in comm.get_comm_counts().items()},
     }
 

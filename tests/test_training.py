@@ -399,7 +399,7 @@ def _column_major(path: str) -> dict:
     with torch.no_grad():
         diff = (model(ids).logits - ref(ids).logits).abs().max().item()
     experts = model.model.layers[0].mlp.experts
-    return {"diff": diff, "contiguous": experts.w1_weight.to_local().is_contiguous(),
+    return {"diff": diff, "contiguous": experts.gate_up_proj.to_local().is_contiguous(),
             "view_strides": experts.w1.to_local().stride(1) == 1,
             "warned": [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]}
 

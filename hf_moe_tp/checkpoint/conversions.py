@@ -7,7 +7,7 @@ storage (quantized tensors, FP8 weights kept with their scales). Its parts:
 - Names: transformers' renamings for the family (``get_model_conversion_mapping``) turn checkpoint keys into
   the model's names (:func:`model_keys`).
 - Experts: the family's adapter (``model_patches``) maps per-expert or packed checkpoint tensors onto
-  GroupedExperts' ``w1_weight``/``w3_weight``/``w2_weight`` (:class:`hf_moe_tp.checkpoint.sources.Source` per tensor).
+  GroupedExperts' ``gate_up_proj``/``down_proj`` (:class:`hf_moe_tp.checkpoint.sources.Source` per tensor).
 - Fused and split tensors: transformers' ``Concatenate``/``Split``/``Chunk`` converters become sources that
   fill part of a parameter (a ``Chunk`` after an ``Interleave``: every other row), ``Interleave`` on packed
   experts a layout flag.
@@ -109,16 +109,14 @@ def parameter_sources(model: nn.Module, targets: dict[str, torch.Tensor], shapes
     aliases = _packed_aliases(converters, shapes)
     sources: dict[str, list[Source]] = {}
     for prefix, module in model.named_modules():
-        layout = getattr(module, "checkpoint_layout", None)
-        if isinstance(module, GroupedExperts) and layout is not None:
-            view, renamed = dict(shapes), {}
-            for packed in (f"{prefix}.gate_up_proj", f"{prefix}.down_proj"):
+        if isinstance(module, GroupedExperts):
+            view, renamed, interleaved = dict(shapes), {}, False
+            for packed in (f"{prefix}.{module.up_name}", f"{prefix}.down_proj"):
                 if packed in aliases:
                     name, interleave = aliases[packed]
                     view[packed], renamed[packed] = shapes[name], name
-                    if interleave:  # the checkpoint's gate/up halves interleave where the model's concatenate
-                        layout = dataclasses.replace(layout, concatenated=not layout.concatenated)
-            found = adapter.expert_sources(prefix, layout, view, per_expert)
+                    interleaved = interleaved or interleave  # the checkpoint's gate/up rows interleave
+            found = adapter.expert_sources(prefix, module.layout, view, per_expert, interleaved)
             sources.update({name: [dataclasses.replace(s, key=renamed.get(s.key, s.key)) for s in srcs]
                             for name, srcs in found.items()})
     for name, srcs in {**_converted_sources(model, converters, targets, shapes),

@@ -3,9 +3,9 @@ checkpoint (DeepSeek-V3/R1, Kimi-K2, Qwen3-*-FP8, ...).
 
 - Weights: the checkpoint's FP8 tensors, byte for byte, as sharded DTensors in its (out, in) memory order:
   :class:`Fp8Linear` (an ``nn.Linear``, so the column- and row-wise styles place it) and :class:`Fp8Experts` (a
-  :class:`GroupedExperts` whose ``w1_weight``/``w3_weight``/``w2_weight`` keep their shapes, in the checkpoint's memory
+  :class:`GroupedExperts` whose ``gate_up_proj``/``down_proj`` keep their shapes, in the checkpoint's memory
   order).
-- Scales: a buffer beside each weight (``weight_scale``, ``w1_weight_scale``, ...) in the checkpoint's scale dtype,
+- Scales: a buffer beside each weight (``weight_scale``, ``gate_up_proj_scale``, ...) in the checkpoint's scale dtype,
   shaped as the weight but with one entry per block along one matrix dim (:attr:`BlockScales.dim`, a dim no style
   splits) and one per element along the other: each row (or column) keeps its own copy of its block's scale. The
   buffer is placed as its weight is, so each rank holds exactly the scales of its own rows or columns, also where a
@@ -31,21 +31,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
+from ..parallel.boxes import shard_dim
 from ..parallel.experts import GroupedExperts
-from ..parallel.grouped_matmul import grouped_mm
 from ..parallel.linear import ColumnParallel, RowParallel
 from ..parallel.plans import _style_for
-from ..parallel.styles import LocalParams, NoParallel
+from ..parallel.styles import LocalParams, NoParallel, distribute
 from .conversions import model_keys, parameter_sources
 from .files import Checkpoint
 from .quantized import BlockScales, CheckpointView, Fp8Weight, checkpoint_view, fp8_to_float32, scale_values
 from .sources import Axis, Source
 
-# the model dim of each stored (E, out, in) expert weight: TP splits hidden, EP the experts, nothing this one
-EXPERT_BLOCKED = {"w1_weight": 2, "w3_weight": 2, "w2_weight": 1}
 CHUNK = 8  # experts dequantized at a time when all of them are
 TORCH_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F32": torch.float32,
                 "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8, "F8_E8M0": torch.float8_e8m0fnu}
@@ -111,23 +109,28 @@ class Fp8Linear(KeptFp8, nn.Linear):
         return f"{super().extra_repr()}, {self.weight.dtype} kept, scales {self.fp8_scales['weight']}"
 
 
+def expert_blocked(experts: GroupedExperts) -> dict[str, int]:
+    """The dim of each expert weight its FP8 scales are blocked along: the model dim (TP splits hidden, EP the
+    experts, nothing this one)."""
+    return {experts.up_name: 1 if experts.is_transposed else 2, "down_proj": 2 if experts.is_transposed else 1}
+
+
 class Fp8Experts(KeptFp8, GroupedExperts):
-    """A :class:`GroupedExperts` whose ``w1_weight``/``w3_weight``/``w2_weight`` are kept FP8 (same shapes, the
-    checkpoint's memory order: ``swapped`` where it stores each expert (in, out)), with their scales in
-    ``w1_weight_scale``/...."""
+    """A :class:`GroupedExperts` whose ``gate_up_proj``/``down_proj`` are kept FP8 (same shapes, the checkpoint's
+    memory order: ``swapped`` where it stores each expert's matrix the other way round), with their scales in
+    ``gate_up_proj_scale``/``down_proj_scale``."""
 
     def __init__(self, experts: GroupedExperts, kept: dict[str, tuple[torch.dtype, BlockScales, torch.dtype]],
                  swapped: bool, name: str) -> None:
         super().__init__(experts.num_experts, experts.dim, experts.hidden, activation=experts.activation,
-                         bias=experts.b1 is not None, score_before_experts=experts.score_before_experts,
+                         bias=experts.has_bias, transposed=experts.is_transposed,
+                         concatenated=experts.is_concatenated, score_before_experts=experts.score_before_experts,
                          post_expert_norm=experts.post_expert_norm, norm_per_expert=experts.norm_per_expert,
-                         device="meta", dtype=experts.w1_weight.dtype)
-        for bias in ("b1", "b3", "b2"):
-            if getattr(experts, bias) is not None:
-                setattr(self, bias, getattr(experts, bias))
-        if hasattr(experts, "checkpoint_layout"):
-            self.checkpoint_layout = experts.checkpoint_layout
-        self.fp8_scales, self.compute_dtype, self.qualified_name = {}, experts.w1_weight.dtype, name
+                         config=experts.config, device="meta", dtype=experts.down_proj.dtype)
+        for bias, p in experts.named_parameters(recurse=False):
+            if bias.endswith("_bias"):
+                setattr(self, bias, p)
+        self.fp8_scales, self.compute_dtype, self.qualified_name = {}, experts.down_proj.dtype, name
         for weight, (dtype, scales, scale_dtype) in kept.items():
             self._keep(weight, dtype, scales, scale_dtype, swapped)
 
@@ -135,8 +138,9 @@ class Fp8Experts(KeptFp8, GroupedExperts):
                 ) -> torch.Tensor:
         if rows.shape[0] < _local(getattr(self, name)).shape[0]:  # decoding: each row's own expert, gathered
             w = self.dequantized(name, expert_of_row)
-            return torch.bmm(rows.to(w.dtype).unsqueeze(1), w.transpose(-1, -2)).squeeze(1)
-        return grouped_mm(rows, self.dequantized(name).transpose(-1, -2), offsets)
+            w = w if self.is_transposed else w.transpose(-1, -2)
+            return torch.bmm(rows.to(w.dtype).unsqueeze(1), w).squeeze(1)
+        return self.multiply(rows, self.dequantized(name), expert_of_row, offsets)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dim: int, block: int, dtype: torch.dtype) -> torch.Tensor:
@@ -184,7 +188,7 @@ def keep_fp8_weights(model: nn.Module, path: str | Path, plan: dict[str, Paralle
         owner, _, attr = name.rpartition(".")
         module = model.get_submodule(owner)
         if not (all(fp8) and ((type(module) is nn.Linear and attr == "weight")
-                              or (type(module) is GroupedExperts and attr in EXPERT_BLOCKED))):
+                              or (type(module) is GroupedExperts and attr in expert_blocked(module)))):
             raise ValueError(f"keep_quantized=True keeps the FP8 weights of nn.Linear and expert layers; {name} "
                              f"({type(module).__name__}) is FP8 in {path} and cannot be kept; load without "
                              "keep_quantized")
@@ -200,11 +204,12 @@ def keep_fp8_weights(model: nn.Module, path: str | Path, plan: dict[str, Paralle
                 style, RowwiseParallel) else 1, quant.block)
             model.set_submodule(owner, Fp8Linear(module, dtype, scales, scale_dtype, owner))
             continue
-        missing = [w for w in EXPERT_BLOCKED if getattr(module, w) is not None and w not in weights]
+        blocked = expert_blocked(module)
+        missing = [w for w in blocked if w not in weights]
         if missing:
             raise ValueError(f"keep_quantized=True: {owner}.{missing[0]} is not FP8 in {path} while its other expert "
                              "weights are; load without keep_quantized")
-        kept = {w: _kept(owner, w, found, EXPERT_BLOCKED[w], quant.block) for w, found in weights.items()}
+        kept = {w: _kept(owner, w, found, blocked[w], quant.block) for w, found in weights.items()}
         orders = {w: found[0][0].dims[1].dim > found[0][0].dims[2].dim for w, found in weights.items()}
         if len(set(orders.values())) != 1:
             raise ValueError(f"keep_quantized=True: the FP8 expert weights of {owner} are stored in different "
@@ -243,7 +248,7 @@ def place_scales(model: nn.Module) -> None:
             w, s = getattr(module, weight), module._buffers[scales.scale]
             if not isinstance(w, DTensor):
                 continue
-            split = {p.dim % w.dim() for p in w.placements if isinstance(p, Shard)}
+            split = {shard_dim(p, w.dim()) for p in w.placements} - {None}
             if scales.dim in split:
                 raise ValueError(f"keep_quantized=True: the plan splits {name}.{weight} along dim {scales.dim}, across "
                                  f"its FP8 block scales; FP8 weights are split along the other dim only")
@@ -252,7 +257,7 @@ def place_scales(model: nn.Module) -> None:
                     raise ValueError(f"keep_quantized=True: {name}.{scales.scale} is placed {s.placements}, its "
                                      f"weight {w.placements}")
                 continue
-            module._buffers[scales.scale] = distribute_tensor(s, w.device_mesh, w.placements)
+            module._buffers[scales.scale] = distribute(s, w.device_mesh, list(w.placements), 0)
 
 
 def _empty(shape: tuple[int, ...], swapped: bool, dtype: torch.dtype) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Load a safetensors checkpoint straight into a (sharded) model: each rank reads only its own boxes.
 
-For every parameter, each rank computes the box it owns (from the DTensor's placements), asks each of the
+For every parameter, each rank computes the box it owns (from the DTensor's placements; a packed gate/up weight split
+as transformers splits it is two boxes, :mod:`hf_moe_tp.parallel.boxes`), asks each of the
 parameter's checkpoint sources which part of the checkpoint tensor covers that box, and reads just that
 with ``safe_open(...).get_slice``, casting while it copies into the local shard. Nothing is materialised
 whole. Every check that can fail on the checkpoint's headers runs before any read, identically on every
@@ -21,11 +22,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
-from .._compat import local_shape_and_offset
+from ..parallel.boxes import local_pieces
 from .conversions import ReadMap, read_map
 from .files import Checkpoint, CheckpointError
 from .quantized import Quantization
-from .sources import Box, Request
+from .sources import Request
 
 # safetensors dtypes a floating parameter may be filled from (cast while copying)
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0"}
@@ -110,13 +111,13 @@ def _requests(model: nn.Module, targets: dict[str, torch.Tensor], found: ReadMap
     filled: dict[str, torch.Tensor] = {}
     for name, tensor in targets.items():
         local = filled[name] = _materialize(owners, name, tensor, device)
-        box = local_box(local)
         covered = 0
-        for source in found.sources[name]:
-            request = source.request(tuple(local.shape), box)
-            if request is not None:
-                jobs.append((request, _local(local).detach()))
-                covered += request.numel
+        for box, at in local_pieces(local):  # one box, or one per block of a _StridedShard
+            for source in found.sources[name]:
+                request = source.request(tuple(local.shape), box)
+                if request is not None:
+                    jobs.append((request, _local(local).detach()[at]))
+                    covered += request.numel
         if covered != _local(local).numel():
             raise CheckpointError(f"{path}: the sources of {name} cover {covered} of its "
                                   f"{_local(local).numel()} local elements")
@@ -184,14 +185,6 @@ def default_threads() -> int:
 
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return max(1, min(4, (os.cpu_count() or 1) // ranks_here))
-
-
-def local_box(t: torch.Tensor) -> Box:
-    """The [start, stop) box of the full tensor that this rank holds."""
-    if not isinstance(t, DTensor):
-        return tuple((0, n) for n in t.shape)
-    shape, offset = local_shape_and_offset(t.shape, t.device_mesh, t.placements)
-    return tuple((o, o + n) for o, n in zip(offset, shape, strict=True))
 
 
 def load_targets(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ their final names (``os.replace``, same filesystem) only when everything is comp
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 import os
@@ -41,13 +42,14 @@ import torch.distributed as dist
 from accelerate import init_empty_weights
 from huggingface_hub import split_torch_state_dict_into_shards
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import PrefixChange, revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from .._compat import MODEL_IGNORE_ON_SAVE, MODEL_WEIGHT_CONVERSIONS, from_config
+from ..parallel.boxes import pieces, shard_dim
 from ..parallel.experts import GroupedExperts
 from ..runtime.agreement import agree, describe
 from .conversions import model_keys, parameter_sources
@@ -147,7 +149,6 @@ def save_pretrained(
                 path.unlink(missing_ok=True)
         raise
     finally:
-        _last_reduced.clear()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return SaveReport(path=out, files=list(split.filename_to_tensors), tensors=len(entries),
@@ -421,28 +422,21 @@ def _place(request: Request, part: torch.Tensor, out: torch.Tensor) -> None:
 def _gather_box(t: torch.Tensor, box: Box, keep: bool) -> torch.Tensor | None:
     """``t[box]`` of the global tensor, on CPU, on the writing rank (``keep``); None elsewhere.
 
-    A 1-D ``Shard(d)`` DTensor is gathered piece by piece: each rank holding part of the box sends just that part
-    (uneven shards send uneven parts) to the group's writing rank, which copies it into place, so it holds the box
-    plus one part at a time. Replicated tensors need no communication. Other layouts fall back to DTensor's own
-    all-gather of the whole tensor.
+    A sharded DTensor is gathered piece by piece: each rank holding part of the box (its pieces of the tensor,
+    :mod:`hf_moe_tp.parallel.boxes`: Shard, _StridedShard, any mesh) sends just that part (uneven shards send uneven
+    parts) to the mesh's writing rank, which copies it into place, so it holds the box plus one part at a time.
+    Copies along mesh dimensions that replicate the tensor send nothing; replicated tensors need no communication.
     """
     slices = tuple(slice(a, b) for a, b in box)
     if not isinstance(t, DTensor):
         return t.detach()[slices].cpu() if keep else None
-    t = _one_sharded_dim(t)
     local = t.to_local().detach()
     placements, mesh = t.placements, t.device_mesh
     if all(p.is_replicate() for p in placements):
         return local[slices].cpu() if keep else None
-    if mesh.ndim != 1 or type(placements[0]) is not Shard:
-        full = t.detach().full_tensor()
-        return full[slices].cpu() if keep else None
-
-    dim = placements[0].dim % t.dim()
-    group = mesh.get_group()
-    ranks = dist.get_process_group_ranks(group)
-    me = ranks.index(dist.get_rank())
-    dst = ranks.index(0) if 0 in ranks else 0  # global rank 0 writes; other groups (replicas) gather and drop
+    ranks = mesh.mesh.flatten().tolist()
+    me = dist.get_rank()
+    dst = 0 if 0 in ranks else ranks[0]  # global rank 0 writes; other copies of the mesh gather and drop
     error: BaseException | None = None  # the writer's own failure, raised after its part in the transfers
     out = None
     if keep:
@@ -450,73 +444,42 @@ def _gather_box(t: torch.Tensor, box: Box, keep: bool) -> torch.Tensor | None:
             out = torch.empty([b - a for a, b in box], dtype=t.dtype)
         except Exception as e:
             error, keep = e, False
-    for r in range(len(ranks)):
-        size, offset = Shard.local_shard_size_and_offset(t.shape[dim], len(ranks), r)
-        a, b = max(box[dim][0], offset), min(box[dim][1], offset + size)
-        if b <= a or (me != r and me != dst):
+    copies = [d for d, p in enumerate(placements) if shard_dim(p, t.dim()) is None]
+    for r, coordinate in zip(ranks, itertools.product(*(range(n) for n in mesh.shape)), strict=True):
+        if any(coordinate[d] for d in copies) or (me != r and me != dst):
             continue
-        at = [slice(None)] * t.dim()
-        at[dim] = slice(a - box[dim][0], b - box[dim][0])
-        target = out[tuple(at)] if keep else None
-        if r == me:  # its own part: a view of the local shard
-            mine = list(slices)
-            mine[dim] = slice(a - offset, b - offset)
-            part = local[tuple(mine)]
-            if me != dst:
-                dist.send(_wire(part.contiguous()), group=group, group_dst=dst)
+        for held, at in pieces(t.shape, tuple(mesh.shape), coordinate, placements):
+            part_box = tuple((max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(box, held, strict=True))
+            if any(a >= b for a, b in part_box):
                 continue
-        elif target is not None and target.is_contiguous() and local.device.type == "cpu":
-            dist.recv(_wire(target), group=group, group_src=r)  # straight into place: no staging copy
-            continue
-        else:
-            part = torch.empty(_part_shape(box, dim, a, b), dtype=t.dtype, device=local.device)
-            dist.recv(_wire(part), group=group, group_src=r)
-        if target is not None:
-            try:
-                target.copy_(part)
-            except Exception as e:
-                error, keep = e, False
+            target = None
+            if keep:
+                target = out[tuple(slice(a - lo, b - lo) for (a, b), (lo, _) in zip(part_box, box, strict=True))]
+            if r == me:  # its own part: a view of the local shard
+                part = local[tuple(slice(s.start + a - lo, s.start + b - lo)
+                                   for s, (a, b), (lo, _) in zip(at, part_box, held, strict=True))]
+                if me != dst:
+                    dist.send(_wire(part.contiguous()), dst=dst)
+                    continue
+            elif target is not None and target.is_contiguous() and local.device.type == "cpu":
+                dist.recv(_wire(target), src=r)  # straight into place: no staging copy
+                continue
+            else:
+                part = torch.empty([b - a for a, b in part_box], dtype=t.dtype, device=local.device)
+                dist.recv(_wire(part), src=r)
+            if target is not None:
+                try:
+                    target.copy_(part)
+                except Exception as e:
+                    error, keep = e, False
     if error is not None:
         raise error
     return out
 
 
-_last_reduced: list = []  # (tensor, its 1-D form): an expert parameter is gathered one expert box at a time
-
-
-def _one_sharded_dim(t: DTensor) -> DTensor:
-    """A DTensor on a 2-D or 3-D mesh (FSDP2 over data-parallel dims, TP inside) as a 1-D ``Shard`` DTensor
-    over the innermost dim that shards it: the other dims are all-gathered first (each rank then holds its
-    tensor-parallel shard, as without FSDP), once per parameter, not once per expert box."""
-    if t.device_mesh.ndim == 1 or not t.device_mesh.mesh_dim_names:
-        return t
-    if _last_reduced and _last_reduced[0][0] is t:
-        return _last_reduced[0][1]
-    sharded = [d for d, p in enumerate(t.placements) if not p.is_replicate()]
-    if not sharded:
-        return t
-    keep = sharded[-1]
-    if type(t.placements[keep]) is not Shard:
-        return t
-    placements = [Replicate()] * t.device_mesh.ndim
-    placements[keep] = t.placements[keep]
-    local = t.detach().redistribute(t.device_mesh, placements).to_local()
-    sub = t.device_mesh[t.device_mesh.mesh_dim_names[keep]]
-    reduced = DTensor.from_local(local, sub, [t.placements[keep]], run_check=False, shape=t.shape,
-                                 stride=t.stride())
-    _last_reduced[:] = [(t, reduced)]
-    return reduced
-
-
 def _wire(t: torch.Tensor) -> torch.Tensor:
     """``t`` as sent: 8-bit floats (kept FP8 weights and scales) as their bytes, which every backend moves."""
     return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
-
-
-def _part_shape(box: Box, dim: int, a: int, b: int) -> list[int]:
-    shape = [hi - lo for lo, hi in box]
-    shape[dim] = b - a
-    return shape
 
 
 class SafetensorsWriter:

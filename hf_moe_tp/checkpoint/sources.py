@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-Box = tuple[tuple[int, int], ...]  # [start, stop) per dim
+from ..parallel.boxes import Box
 
 
 @dataclass(frozen=True)

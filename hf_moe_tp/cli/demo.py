@@ -107,7 +107,8 @@ class RankResult:
     read_mib: float
     tokens: list[int]
     logits: torch.Tensor
-    shards: list[tuple[str, str, tuple[int, ...], tuple[tuple[int, int], ...]]]  # name, placement, local shape, box
+    # name, placement, local shape, the boxes of the whole tensor it holds
+    shards: list[tuple[str, str, tuple[int, ...], list[tuple[tuple[int, int], ...]]]]
 
 
 def demo_rank(path: str, max_new_tokens: int, ep_size: int | None = None) -> RankResult:
@@ -138,15 +139,16 @@ def demo_rank(path: str, max_new_tokens: int, ep_size: int | None = None) -> Ran
     )
 
 
-def shard_table(model: torch.nn.Module) -> list[tuple[str, str, tuple[int, ...], tuple[tuple[int, int], ...]]]:
-    """For every parameter: its name, placement, this rank's local shape and the box of the full tensor it holds."""
-    from ..checkpoint.loading import local_box
+def shard_table(model: torch.nn.Module) -> list[tuple[str, str, tuple[int, ...], list[tuple[tuple[int, int], ...]]]]:
+    """For every parameter: its name, placement, this rank's local shape and the boxes of the full tensor it holds
+    (two for a packed gate/up weight: its gate rows and its up rows)."""
+    from ..parallel.boxes import local_pieces
 
     rows = []
     for name, p in model.named_parameters():
         placement = ", ".join(repr(x) for x in p.placements) if hasattr(p, "placements") else "plain"
         local = p.to_local() if hasattr(p, "to_local") else p
-        rows.append((name, placement, tuple(local.shape), local_box(p)))
+        rows.append((name, placement, tuple(local.shape), [box for box, _ in local_pieces(p)]))
     return rows
 
 

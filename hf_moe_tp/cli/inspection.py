@@ -24,11 +24,13 @@ from transformers import AutoConfig
 
 from model_patches import adapter_for
 
-from .._compat import fake_store, local_shape_and_offset_at, root_mesh
+from .._compat import fake_store, root_mesh
 from ..checkpoint.conversions import ReadMap, read_map
 from ..checkpoint.files import INDEX_FILE, SINGLE_FILE, ST_DTYPES, Checkpoint
 from ..checkpoint.loading import default_threads, load_targets
 from ..parallel import plans
+from ..parallel.boxes import pieces
+from ..parallel.experts import GroupedExperts
 from ..parallel.fsdp import shard_data_parallel
 from ..parallel.meshes import resolve_layout
 from ..parallel.towers import towers
@@ -116,7 +118,7 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
             largest = [max(_nbytes(t, boxes(t, r)) for t in targets.values()) for r in range(world)]
     finally:
         dist.destroy_process_group()
-    experts = [m for m in model.modules() if hasattr(m, "checkpoint_layout")]
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     per_expert = weights and any(".experts.0." in k for k in ckpt.keys())
     return Inspection(
         family=config.model_type,
@@ -139,12 +141,12 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
     )
 
 
-def _nbytes(t: torch.Tensor, box: tuple[tuple[int, int], ...]) -> int:
-    return math.prod(b - a for a, b in box) * t.element_size()
+def _nbytes(t: torch.Tensor, boxes: list[tuple[tuple[int, int], ...]]) -> int:
+    return sum(math.prod(b - a for a, b in box) for box in boxes) * t.element_size()
 
 
 class _Boxes:
-    """The [start, stop) box of a tensor that any rank of the layout holds, by torch's sharding arithmetic, for
+    """The [start, stop) boxes of a tensor that any rank of the layout holds (:mod:`hf_moe_tp.parallel.boxes`), for
     ranks other than this (fake) one too: a rank's coordinate on a tensor's mesh is its coordinate on the root
     mesh, restricted to that mesh's dimensions. Cached: layers repeat their shapes and placements."""
 
@@ -160,15 +162,14 @@ class _Boxes:
         coords.reverse()
         return [coords[self.names.index(n)] for n in names]
 
-    def __call__(self, t: torch.Tensor, rank: int) -> tuple[tuple[int, int], ...]:
+    def __call__(self, t: torch.Tensor, rank: int) -> list[tuple[tuple[int, int], ...]]:
         if not isinstance(t, DTensor):
-            return tuple((0, n) for n in t.shape)
+            return [tuple((0, n) for n in t.shape)]
         mesh = t.device_mesh
         coordinate = self.coordinate(rank, mesh.mesh_dim_names)
         key = (tuple(t.shape), tuple(t.placements), tuple(mesh.shape), tuple(coordinate))
         if key not in self.cache:
-            shape, offset = local_shape_and_offset_at(t.shape, tuple(mesh.shape), coordinate, t.placements)
-            self.cache[key] = tuple((o, o + n) for o, n in zip(offset, shape, strict=True))
+            self.cache[key] = [box for box, _ in pieces(t.shape, tuple(mesh.shape), coordinate, t.placements)]
         return self.cache[key]
 
 
@@ -183,8 +184,7 @@ def _disk_bytes(found: ReadMap, ckpt: Checkpoint, targets: dict, boxes: _Boxes, 
     out, largest = [0] * world, [0] * world
     for name, t in targets.items():
         for rank in range(world):
-            box = boxes(t, rank)
-            for source in sources.get(name, []):
+            for source, box in [(s, box) for box in boxes(t, rank) for s in sources.get(name, [])]:
                 request = source.request(tuple(t.shape), box)
                 if request is None:
                     continue

@@ -75,7 +75,7 @@ class ExpertParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         ep_mesh, batch_mesh, placements = self._meshes(device_mesh)
-        num_experts = module.w1_weight.shape[0]
+        num_experts = module.num_experts
         per_rank = -(-num_experts // ep_mesh.size())
         empty = [r for r in range(ep_mesh.size()) if r * per_rank >= num_experts]
         if empty:
@@ -209,8 +209,8 @@ class _Dispatcher:
 
 
 def _local_experts(experts: nn.Module) -> int:
-    w1 = experts.w1_weight
-    return (w1.to_local() if isinstance(w1, DTensor) else w1).shape[0]
+    w = experts.down_proj
+    return (w.to_local() if isinstance(w, DTensor) else w).shape[0]
 
 
 def _slice_rows(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

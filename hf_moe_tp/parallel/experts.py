@@ -1,16 +1,55 @@
-"""GroupedExperts: every expert of an MoE layer as stacked 3-D weights, run with one grouped matmul per projection."""
+"""GroupedExperts: every expert of an MoE layer as transformers' packed 3-D weights, run with one grouped matmul
+per projection."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement, Shard
 from transformers.activations import ACT2FN
 
-from .._compat import local_shape_and_offset
-from .grouped_matmul import grouped_mm
+from .._compat import CONFIG_EXPERTS_IMPLEMENTATION, local_shape_and_offset
+from .boxes import shard_dim
+from .grouped_matmul import batched_mm, grouped_mm, grouped_mm_loop
+
+# transformers' experts implementations (``set_experts_implementation``) GroupedExperts runs, each computing what
+# transformers' does: one grouped matmul (torch's kernel where it takes the layout, else a loop), a loop over the
+# experts, or one batched matmul over each row's expert weights
+IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How a family lays out its experts, as transformers' ``@use_experts_implementation`` flags say: ``gate_up_proj``
+    (E, 2*hidden, dim) and ``down_proj`` (E, dim, hidden), or transposed (E, dim, 2*hidden) / (E, hidden, dim); gate
+    and up halves concatenated or interleaved; ``*_bias`` parameters; ungated experts hold ``up_proj`` instead."""
+
+    num_experts: int
+    dim: int
+    hidden: int
+    transposed: bool = False
+    concatenated: bool = True
+    bias: bool = False
+    gated: bool = True
+
+    @property
+    def up_name(self) -> str:
+        return "gate_up_proj" if self.gated else "up_proj"
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Parameter name -> shape, in transformers' order."""
+        e, h, i = self.num_experts, self.dim, self.hidden
+        width = 2 * i if self.gated else i
+        out = {self.up_name: (e, h, width) if self.transposed else (e, width, h)}
+        if self.bias:
+            out[f"{self.up_name}_bias"] = (e, width)
+        out["down_proj"] = (e, i, h) if self.transposed else (e, h, i)
+        if self.bias:
+            out["down_proj_bias"] = (e, h)
+        return out
 
 
 @dataclass(frozen=True)
@@ -59,26 +98,43 @@ class ExpertActivation:
             return self._fn(h1) * h3
         return self._fn(h1)
 
+    def on_packed(self, h: torch.Tensor, concatenated: bool) -> torch.Tensor:
+        """The activation of both up-projections computed at once, ``h`` packed as the weight packs them (gate
+        features then up features, or interleaved); an ungated ``h`` is the up-projection alone."""
+        if not self.gated:
+            return self(h, None)
+        return self(*split_gate_up(h, concatenated))
+
+
+def split_gate_up(h: torch.Tensor, concatenated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up parts of a packed projection's output ``h`` (views of its last dim)."""
+    if concatenated:
+        half = h.shape[-1] // 2
+        return h[..., :half], h[..., half:]
+    return h[..., 0::2], h[..., 1::2]
+
 
 class GroupedExperts(nn.Module):
-    """All experts of one MoE layer, seen as ``w1``/``w3`` (E, dim, hidden) and ``w2`` (E, hidden, dim).
+    """All experts of one MoE layer, held as transformers holds them and seen as ``w1``/``w3`` (E, dim, hidden) and
+    ``w2`` (E, hidden, dim).
 
     ``forward(hidden_states, top_k_index, top_k_weights)`` has the contract of transformers 5's expert
     modules, so it can stand in for them: ``hidden_states`` (T, dim), ``top_k_index`` (T, k) expert ids,
     ``top_k_weights`` (T, k) routing weights; returns (T, dim) in ``hidden_states``' dtype.
 
-    Storage: the parameters are ``w1_weight``/``w3_weight`` (E, hidden, dim) and ``w2_weight`` (E, dim, hidden),
-    each expert's matrix as ``nn.Linear`` and the checkpoints store it (out, in), contiguous; ``w1``/``w3``/``w2``
-    are their transposed views. Why: torch's CPU grouped matmul in bf16 is up to 8x slower on the other memory
-    order on CPUs without native bf16 (AVX2), loading copies the checkpoints' (out, in) slices without a
-    transpose, and FSDP2 shards only contiguous parameters (dim 0, the experts, either way).
+    Parameters: transformers' own, named, shaped and ordered as the family's expert module holds them
+    (:class:`ExpertLayout`): ``gate_up_proj`` (E, 2*hidden, dim) with gate then up rows, and ``down_proj`` (E, dim,
+    hidden), each expert's matrix (out, in) as ``nn.Linear`` stores it; transposed families (GPT-OSS, Llama 4)
+    hold (E, dim, 2*hidden) and (E, hidden, dim); GPT-OSS interleaves gate and up and has ``*_bias``; ungated
+    experts hold ``up_proj``. So ``named_parameters()``, ``state_dict()``, PEFT's ``target_parameters`` and DCP
+    checkpoints are transformers'. Gate and up are computed by one grouped matmul. ``w1``/``w3``/``w2`` are views
+    (DTensors where the weights are, ``w1``/``w3`` split by columns and ``w2`` by rows under
+    :class:`hf_moe_tp.TensorParallel`).
 
-    When the weights are DTensors (see :class:`hf_moe_tp.TensorParallel`) it computes on the local shards and
-    returns this rank's plain local tensor: a partial sum when ``w2`` is split along ``hidden``. The parallel
-    style decides the layouts around it.
-
-    Optional biases: ``b1``/``b3`` (E, hidden), ``b2`` (E, dim). ``b2`` is added by the first rank of each
-    mesh dimension that splits ``w2``'s rows, so it counts once in the reduced sum.
+    When the weights are DTensors it computes on the local shards and returns this rank's plain local tensor: a
+    partial sum when ``down_proj`` is split along ``hidden``. The parallel style decides the layouts around it.
+    ``down_proj_bias`` is added by the first rank of each mesh dimension that splits ``down_proj``'s input, so it
+    counts once in the reduced sum.
 
     ``score_before_experts``: scale each routed token by its weight before the experts instead of scaling the
     experts' outputs (Llama 4).
@@ -87,11 +143,11 @@ class GroupedExperts(nn.Module):
     weight (MuseSpark); with ``norm_per_expert`` it is called with each row's (global) expert id too, for a norm
     with one weight per expert (Ergo). Split experts give partial rows, so the parallel styles complete the rows first
     (:attr:`row_reduce`).
-    """
 
-    # transformers' flag for expert weights laid out (E, in, out); ours are stored (E, out, in), as transformers'
-    # own, so PEFT's target_parameters (which reads it) sizes adapters of w1_weight etc. as it does theirs
-    is_transposed = False
+    ``config``: the transformers config whose experts implementation (``model.set_experts_implementation``) the
+    forward follows: ``"grouped_mm"`` (default), ``"eager"`` or ``"batched_mm"`` (:data:`IMPLEMENTATIONS`); any
+    other is refused by name.
+    """
 
     def __init__(
         self,
@@ -101,9 +157,12 @@ class GroupedExperts(nn.Module):
         *,
         activation: ExpertActivation | None = None,
         bias: bool = False,
+        transposed: bool = False,
+        concatenated: bool = True,
         score_before_experts: bool = False,
         post_expert_norm: nn.Module | None = None,
         norm_per_expert: bool = False,
+        config: Any = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -111,47 +170,77 @@ class GroupedExperts(nn.Module):
         self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
         self.activation = activation or ExpertActivation()
         self.score_before_experts = score_before_experts
-        gated = self.activation.gated
-
-        def param(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
-
-        self.w1_weight = param(num_experts, hidden, dim)
-        self.w3_weight = param(num_experts, hidden, dim) if gated else None
-        self.w2_weight = param(num_experts, dim, hidden)
-        self.b1 = param(num_experts, hidden) if bias else None
-        self.b3 = param(num_experts, hidden) if bias and gated else None
-        self.b2 = param(num_experts, dim) if bias else None
+        # transformers' flags for its expert modules (PEFT reads is_transposed to size adapters of the weights)
+        self.has_gate, self.has_bias = self.activation.gated, bias
+        self.is_transposed, self.is_concatenated = transposed, concatenated
+        self.has_post_expert_norm = post_expert_norm is not None
+        for name, shape in self.layout.shapes().items():
+            self.register_parameter(name, nn.Parameter(torch.empty(*shape, device=device, dtype=dtype)))
         self.post_expert_norm = post_expert_norm
         self.norm_per_expert = norm_per_expert
+        self.config = config
         # set by a parallel style whose experts give partial rows: completes them (an all-reduce) before the norm
         self.row_reduce = None
-        if self.w1_weight.device.type != "meta":
+        if self.down_proj.device.type != "meta":
             self.reset_parameters()
 
     @property
+    def layout(self) -> ExpertLayout:
+        return ExpertLayout(self.num_experts, self.dim, self.hidden, transposed=self.is_transposed,
+                            concatenated=self.is_concatenated, bias=self.has_bias, gated=self.has_gate)
+
+    @property
+    def up_name(self) -> str:
+        """``gate_up_proj``, or ``up_proj`` for ungated experts."""
+        return "gate_up_proj" if self.has_gate else "up_proj"
+
+    @property
+    def implementation(self) -> str:
+        """The experts implementation the forward runs (the config's, ``grouped_mm`` without one)."""
+        name = getattr(self.config, CONFIG_EXPERTS_IMPLEMENTATION, None) or "grouped_mm"
+        if name not in IMPLEMENTATIONS:
+            raise NotImplementedError(f"experts_implementation {name!r}: hf_moe_tp's GroupedExperts runs "
+                                      f"{', '.join(repr(i) for i in IMPLEMENTATIONS)}; set one of them with "
+                                      "model.set_experts_implementation(...)")
+        return name
+
+    @property
     def w1(self) -> torch.Tensor:
-        """(E, dim, hidden): ``w1_weight`` transposed, a view (a DTensor where it is one)."""
-        return self.w1_weight.transpose(-1, -2)
+        """(E, dim, hidden): the gate projection (the up projection of ungated experts), a view (a DTensor where
+        the weight is one)."""
+        return self._up_view(0 if self.has_gate else None)
 
     @property
     def w3(self) -> torch.Tensor | None:
-        """(E, dim, hidden): ``w3_weight`` transposed, a view; None for ungated experts."""
-        return None if self.w3_weight is None else self.w3_weight.transpose(-1, -2)
+        """(E, dim, hidden): the up projection, a view; None for ungated experts."""
+        return self._up_view(1) if self.has_gate else None
 
     @property
     def w2(self) -> torch.Tensor:
-        """(E, hidden, dim): ``w2_weight`` transposed, a view."""
-        return self.w2_weight.transpose(-1, -2)
+        """(E, hidden, dim): the down projection, a view."""
+        if self.is_transposed:
+            return self.down_proj
+        return _view(self.down_proj, lambda t: t.transpose(1, 2), {0: 0, 1: 2, 2: 1})
+
+    def _up_view(self, which: int | None) -> torch.Tensor:
+        out_dim = 2 if self.is_transposed else 1
+
+        def select(t: torch.Tensor) -> torch.Tensor:
+            if which is not None:
+                t = _half(t, out_dim, which, self.is_concatenated)
+            return t if self.is_transposed else t.transpose(1, 2)
+
+        dims = {0: 0, out_dim: 2, 3 - out_dim: 1}
+        return _view(getattr(self, self.up_name), select, dims)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """Truncated-normal weights, zero biases (loading a checkpoint overwrites both)."""
         with torch.no_grad():
             for name, p in self.named_parameters(recurse=False):
-                if name.startswith("w"):
-                    nn.init.trunc_normal_(p, std=std, a=-3 * std, b=3 * std)
-                else:
+                if name.endswith("_bias"):
                     nn.init.zeros_(p)
+                else:
+                    nn.init.trunc_normal_(p, std=std, a=-3 * std, b=3 * std)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -164,7 +253,7 @@ class GroupedExperts(nn.Module):
         order = torch.argsort(flat, stable=True)
         expert_of_row = flat[order]
         # pairs per expert of this rank (all, unless EP); not bincount, whose output size is read on the host
-        counts = torch.zeros(_local(self.w1_weight).shape[0], dtype=torch.long, device=flat.device)
+        counts = torch.zeros(_local(self.down_proj).shape[0], dtype=torch.long, device=flat.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = x[order // top_k]
@@ -172,18 +261,18 @@ class GroupedExperts(nn.Module):
         if self.score_before_experts:
             rows = rows * row_weights.to(rows.dtype)
 
-        h1 = _with_bias(self._matmul(rows, "w1_weight", expert_of_row, offsets), self.b1, expert_of_row)
-        h3 = None
-        if self.w3_weight is not None:
-            h3 = _with_bias(self._matmul(rows, "w3_weight", expert_of_row, offsets), self.b3, expert_of_row)
-        out = self._matmul(self.activation(h1, h3), "w2_weight", expert_of_row, offsets)
-        if self.b2 is not None:
-            out = out + _OnceAcrossShards.apply(_local(self.b2), _adds_row_bias(self.w2_weight))[expert_of_row]
+        h = self._matmul(rows, self.up_name, expert_of_row, offsets)  # gate and up at once, packed
+        if self.has_bias:
+            h = h + _local(getattr(self, f"{self.up_name}_bias"))[expert_of_row].to(h.dtype)
+        out = self._matmul(self.activation.on_packed(h, self.is_concatenated), "down_proj", expert_of_row, offsets)
+        if self.has_bias:
+            adds = _adds_row_bias(self.down_proj, 1 if self.is_transposed else 2)
+            out = out + _OnceAcrossShards.apply(_local(self.down_proj_bias), adds)[expert_of_row].to(out.dtype)
         if self.post_expert_norm is not None:
             if self.row_reduce is not None:
                 out = self.row_reduce(out)
             if self.norm_per_expert:  # this rank's experts are the global ones from its first (ExpertParallel)
-                out = self.post_expert_norm(out, expert_of_row + _first_expert(self.w1_weight))
+                out = self.post_expert_norm(out, expert_of_row + _first_expert(self.down_proj))
             else:
                 out = self.post_expert_norm(out)
 
@@ -196,16 +285,54 @@ class GroupedExperts(nn.Module):
 
     def _matmul(self, rows: torch.Tensor, name: str, expert_of_row: torch.Tensor, offsets: torch.Tensor
                 ) -> torch.Tensor:
-        """``rows`` (sorted by expert, ``offsets`` their cumulative ends) times their experts' stored weight
-        ``name`` (E, out, in), transposed. Kept FP8 experts (:mod:`hf_moe_tp.checkpoint.fp8`) dequantize here."""
-        return grouped_mm(rows, _local(getattr(self, name)).transpose(-1, -2), offsets)
+        """``rows`` (sorted by expert, ``offsets`` their cumulative ends, ``expert_of_row`` each row's local
+        expert) times their experts' weight ``name``. Kept FP8 experts (:mod:`hf_moe_tp.checkpoint.fp8`)
+        dequantize here."""
+        return self.multiply(rows, _local(getattr(self, name)), expert_of_row, offsets)
+
+    def multiply(self, rows: torch.Tensor, weight: torch.Tensor, expert_of_row: torch.Tensor, offsets: torch.Tensor
+                 ) -> torch.Tensor:
+        """``rows`` times ``weight`` (this rank's experts, laid out as the parameters) by the implementation the
+        config names."""
+        w = weight if self.is_transposed else weight.transpose(-1, -2)  # (E, in, out)
+        implementation = self.implementation
+        if implementation == "batched_mm":
+            return batched_mm(rows, w, expert_of_row)
+        if implementation == "eager":
+            return grouped_mm_loop(rows, w, offsets)
+        return grouped_mm(rows, w, offsets)
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, dim={self.dim}, hidden={self.hidden}, "
-            f"activation={self.activation}, bias={self.b1 is not None}"
+            f"activation={self.activation}, bias={self.has_bias}"
+            + (", transposed=True" if self.is_transposed else "")
+            + (", interleaved=True" if not self.is_concatenated else "")
             + (", score_before_experts=True" if self.score_before_experts else "")
         )
+
+
+def _half(t: torch.Tensor, dim: int, which: int, concatenated: bool) -> torch.Tensor:
+    """Gate (``which`` 0) or up (1) of a packed weight along ``dim`` (a local shard holds its slice of each)."""
+    if concatenated:
+        half = t.shape[dim] // 2
+        return t.narrow(dim, which * half, half)
+    return t[(slice(None),) * dim + (slice(which, None, 2),)]
+
+
+def _view(t: torch.Tensor, fn, dims: dict[int, int]) -> torch.Tensor:
+    """``fn(t)`` for a view ``fn`` that moves ``t``'s dim ``d`` to ``dims[d]``; on a DTensor, the DTensor of the same
+    view of each rank's local shard, split along the moved dims (a ``_StridedShard`` of a packed weight splits each
+    half evenly: a ``Shard`` of the half)."""
+    if not isinstance(t, DTensor):
+        return fn(t)
+    whole = fn(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
+    placements: list[Placement] = []
+    for p in t.placements:
+        d = shard_dim(p, t.dim())
+        placements.append(p if d is None else Shard(dims[d]))
+    return DTensor.from_local(fn(t.to_local()), t.device_mesh, placements, run_check=False, shape=whole.shape,
+                              stride=whole.stride())
 
 
 def _first_expert(w: torch.Tensor) -> int:
@@ -219,18 +346,14 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _with_bias(h: torch.Tensor, bias: torch.Tensor | None, expert_of_row: torch.Tensor) -> torch.Tensor:
-    return h if bias is None else h + _local(bias)[expert_of_row].to(h.dtype)
-
-
-def _adds_row_bias(w2_weight: torch.Tensor) -> bool:
-    """True on the rank that adds ``b2``: coordinate 0 of every mesh dim that splits ``w2_weight``'s input
-    (hidden, dim 2), over which the partial outputs are summed."""
-    if not isinstance(w2_weight, DTensor):
+def _adds_row_bias(down_proj: torch.Tensor, hidden_dim: int) -> bool:
+    """True on the rank that adds ``down_proj_bias``: coordinate 0 of every mesh dim that splits ``down_proj``'s
+    input (hidden, dim ``hidden_dim``), over which the partial outputs are summed."""
+    if not isinstance(down_proj, DTensor):
         return True
-    mesh = w2_weight.device_mesh
-    return all(mesh.get_local_rank(d) == 0 for d, p in enumerate(w2_weight.placements)
-               if isinstance(p, Shard) and p.dim % 3 == 2)
+    mesh = down_proj.device_mesh
+    return all(mesh.get_local_rank(d) == 0 for d, p in enumerate(down_proj.placements)
+               if shard_dim(p, 3) == hidden_dim)
 
 
 class _OnceAcrossShards(torch.autograd.Function):
@@ -247,4 +370,3 @@ class _OnceAcrossShards(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         return grad, None
-

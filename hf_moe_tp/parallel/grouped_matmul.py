@@ -57,7 +57,18 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
             # The kernel's backward rejects an expanded (stride-0) gradient such as that of `y.sum()`.
             out.register_hook(torch.Tensor.contiguous)
         return out
-    return torch.ops.hf_moe_tp.grouped_mm_loop(x, w, offsets)
+    return grouped_mm_loop(x, w, offsets)
+
+
+def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_mm` as a loop over the groups, one matmul each (transformers' ``"eager"`` experts)."""
+    return torch.ops.hf_moe_tp.grouped_mm_loop(x.to(w.dtype), w, offsets)
+
+
+def batched_mm(x: torch.Tensor, w: torch.Tensor, group_of_row: torch.Tensor) -> torch.Tensor:
+    """Row ``i`` of ``x`` (S, K) times ``w[group_of_row[i]]`` ((G, K, N)), as one batched matmul over the rows'
+    gathered weights (transformers' ``"batched_mm"`` experts: S weight copies, for few rows)."""
+    return torch.bmm(x.to(w.dtype).unsqueeze(1), w[group_of_row]).squeeze(1)
 
 
 # The loop for layouts the kernel refuses (odd sizes, uneven shards, fp32 under torch.compile, pre-Ampere GPUs),

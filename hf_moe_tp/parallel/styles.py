@@ -24,16 +24,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-# GroupedExperts, stored (E, out, in): w1/w3 split by their output (hidden), w2 by its input (hidden), so the
-# views w1/w3 (E, dim, hidden) are split by columns and w2 (E, hidden, dim) by rows; b2 stays whole, added once.
-EXPERT_PLACEMENTS: dict[str, Placement] = {
-    "w1_weight": Shard(1),
-    "w3_weight": Shard(1),
-    "b1": Shard(1),
-    "b3": Shard(1),
-    "w2_weight": Shard(2),
-    "b2": Replicate(),
-}
+from .._compat import is_strided_shard, strided_shard
+from .boxes import checkpoint_pieces
+
+
+def expert_placements(module: nn.Module) -> dict[str, Placement]:
+    """Each GroupedExperts parameter's placement under :class:`TensorParallel`: the up projection split by its
+    output (hidden) features, ``down_proj`` by its input (hidden), ``down_proj_bias`` whole (added once). A packed
+    ``gate_up_proj`` with gate then up rows is ``_StridedShard(dim, split_factor=2)``, as transformers'
+    ``packed_colwise`` places it: each rank holds its slice of the gate rows, then its slice of the up rows, so
+    the views ``w1``/``w3`` (E, dim, hidden) are split by columns and ``w2`` (E, hidden, dim) by rows."""
+    out_dim, in_dim = (2, 1) if module.is_transposed else (1, 2)
+    packed = module.has_gate and module.is_concatenated
+    up = module.up_name
+    return {up: strided_shard(out_dim, 2) if packed else Shard(out_dim),
+            f"{up}_bias": strided_shard(1, 2) if packed else Shard(1),
+            "down_proj": Shard(in_dim), "down_proj_bias": Replicate()}
 
 
 class TensorParallel(ParallelStyle):
@@ -41,7 +47,9 @@ class TensorParallel(ParallelStyle):
 
     Each rank runs all tokens through its slice of every expert and produces a partial sum of the output,
     which is reduced to ``output_layout`` with one collective. Hidden sizes that do not divide by the mesh size
-    give uneven shards. Parameters not in :data:`EXPERT_PLACEMENTS` become replicated DTensors. Experts with a
+    give uneven shards (per half of a packed ``gate_up_proj``; interleaved gate/up halves, GPT-OSS's, need each
+    rank's slice of ``2 * hidden`` to be whole pairs). Parameters not in :func:`expert_placements` (a post-expert
+    norm's) become replicated DTensors. Experts with a
     post-expert norm need whole rows before it: their (token, slot) rows are all-reduced instead (top-k times
     the bytes) and the output is whole.
 
@@ -70,11 +78,15 @@ class TensorParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_mesh(device_mesh, self)
-        hidden = module.w1_weight.shape[1]
-        if hidden < device_mesh.size():
-            raise ValueError(f"TensorParallel splits each expert's hidden size {hidden} over {device_mesh.size()} "
+        hidden, size = module.hidden, device_mesh.size()
+        if hidden < size:
+            raise ValueError(f"TensorParallel splits each expert's hidden size {hidden} over {size} "
                              f"ranks; it must be at least the TP size (use a smaller TP size)")
-        distribute_params(module, device_mesh, EXPERT_PLACEMENTS, self.src_data_rank)
+        if module.has_gate and not module.is_concatenated and -(-2 * hidden // size) % 2:
+            raise ValueError(f"TensorParallel on experts whose gate and up features interleave: {2 * hidden} "
+                             f"features over {size} ranks cut a gate/up pair; use a TP size that makes each rank's "
+                             "slice even (or ExpertParallel)")
+        distribute_params(module, device_mesh, expert_placements(module), self.src_data_rank)
         norm = getattr(module, "post_expert_norm", None)
         if norm is not None:  # rows completed before the norm (k rows per token): the output is then whole
             group = device_mesh.get_group()
@@ -422,13 +434,28 @@ def distribute_params(
             if converted is None:
                 placement = placements.get(name, replicated) if direct else replicated
                 placement = [placement] if isinstance(placement, Placement) else list(placement)
-                dt = distribute_tensor(p.data, mesh, placement, src_data_rank=src_data_rank)
+                dt = distribute(p.data, mesh, placement, src_data_rank)
                 converted = p._hf_moe_tp_dtensor = nn.Parameter(dt, requires_grad=p.requires_grad)
             owner.register_parameter(name, converted)
         if buffers:
             for name, b in list(owner.named_buffers(recurse=False)):
                 if b is not None and not isinstance(b, DTensor):
                     owner._buffers[name] = distribute_tensor(b, mesh, replicated, src_data_rank=src_data_rank)
+
+
+def distribute(t: torch.Tensor, mesh: DeviceMesh, placements: list[Placement], src_data_rank: int | None
+               ) -> DTensor:
+    """``distribute_tensor``, also for uneven ``_StridedShard`` placements, whose scatter torch refuses: each rank
+    then cuts its own pieces from the source rank's tensor (broadcast first where there are values to agree on)."""
+    if not any(is_strided_shard(p) for p in placements):
+        return distribute_tensor(t, mesh, placements, src_data_rank=src_data_rank)
+    checkpoint_pieces()  # so that torch DCP saves and loads its pieces
+    if src_data_rank is not None and t.device.type != "meta" and mesh.size() > 1:
+        t = t.detach().clone()
+        for d in range(mesh.ndim):  # from the source coordinate along each dim in turn: (src, src, ...) to all
+            if mesh.size(d) > 1:
+                torch.distributed.broadcast(t, group=mesh.get_group(d), group_src=src_data_rank)
+    return distribute_tensor(t, mesh, placements, src_data_rank=None)
 
 
 def _replicated_local(arg: Any, layout: Placement, mesh: DeviceMesh, sizes: dict[tuple[int, int], int],

@@ -27,9 +27,10 @@ weight's mesh:
   ``lora_B`` replicated; forward: one all-reduce of A's output (T x r);
 - replicated base (routers, layers the plan leaves whole): both replicated, no communication; a base whose
   gradient is summed over the ranks (per-head layers, MLA's ``kv_a_proj_with_mqa``) gets the same sums;
-- the routed experts' weights through ``target_parameters`` (PEFT's ``ParamWrapper``), named as ours:
-  ``w1_weight``/``w3_weight`` (E, hidden, dim), split by hidden (their output), so ``lora_B`` by rows;
-  ``w2_weight`` (E, dim, hidden), split by hidden (its input), so ``lora_A`` by columns; PEFT folds
+- the routed experts' weights through ``target_parameters`` (PEFT's ``ParamWrapper``; transformers' recipe
+  ``["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``): ``gate_up_proj`` split by hidden (its output: each
+  rank its slice of the gate rows and of the up rows), so ``lora_B`` by rows alike;
+  ``down_proj`` split by hidden (its input), so ``lora_A`` by columns; PEFT folds
   ``W + B @ A`` per expert into the weight for the experts' forward, here on this rank's shard with the local
   factors; the replicated factor's gradient is summed;
 - the same under ``ExpertParallel`` (whole experts per rank): both factors split by experts over ``ep``, as PEFT
@@ -56,13 +57,11 @@ once, from rank 0 (moved into place when complete); ``PeftModel.from_pretrained`
 
 Refused by name, on every rank: PEFT methods other than LoRA, LoRA variants (DoRA, ...), initialisations that
 read the base weights (PiSSA, OLoRA, LoftQ, EVA, ...), adapters made on the meta device, LoRA on embeddings,
-``target_parameters`` other than GroupedExperts' ``w1_weight``/``w3_weight``/``w2_weight`` (transformers'
-``gate_up_proj``/``down_proj``, which PEFT makes of ``target_modules="all-linear"`` on several MoE families;
-routers; ``w2_weight`` of
-experts with a down bias under ``TensorParallel``; under ``ExpertParallel``: an ``(ep, tp)`` mesh without FSDP2
-over ``ep``, ranks holding their own batches without FSDP2, HSDP, experts that do not divide by the ep size),
-``modules_to_save`` with FSDP2,
-``trainable_token_indices``, and base layers whose style this package does not place.
+``target_parameters`` other than GroupedExperts' ``gate_up_proj``/``up_proj``/``down_proj`` (routers;
+``down_proj`` of experts with a down bias under ``TensorParallel``; under ``ExpertParallel``: an ``(ep, tp)``
+mesh without FSDP2 over ``ep``, ranks holding their own batches without FSDP2, HSDP, experts that do not divide
+by the ep size), ``modules_to_save`` with FSDP2, ``trainable_token_indices``, and base layers whose style this
+package does not place.
 
 The parts: :mod:`.watch` (following PEFT's tuners, :func:`watch_peft`), :mod:`.checks` (the refusals),
 :mod:`.adapters` (placing one adapter, the experts' too), :mod:`.placement` (a linear layer's factors and their

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ..._compat import strided_shard
+from ..._compat import is_strided_shard, strided_shard
+from ...parallel.boxes import shard_dim
 from ...parallel.styles import (
     _SumGradOverMesh,
     swap_back,
@@ -97,10 +98,10 @@ def _delta_by_experts(layer: nn.Module, adapter: str, weight: DTensor) -> torch.
 def _shard_expert_adapter(layer: nn.Module, adapter: str, where: str) -> None:
     """An adapter PEFT's ``ParamWrapper`` puts on a GroupedExperts weight (``target_parameters``): ``lora_A``
     (r*E, in), ``lora_B`` (out, r*E), whole already (PEFT sizes them from the DTensor's whole shape), placed like the
-    weight's split. Under TensorParallel: ``w1_weight``/``w3_weight`` (E, hidden, dim) split by their output
-    rows, so B by rows; ``w2_weight`` (E, dim, hidden) by its input columns, so A by columns; the replicated
-    factor's gradient (a partial sum over the ranks' hidden slices) is summed. Under ExpertParallel: split by
-    experts (:func:`_place_by_experts`). PEFT folds ``W + B @ A`` per expert into the weight for the experts'
+    weight's split. Under TensorParallel: ``gate_up_proj`` is split by its output features (each rank its slice of
+    the gate rows and of the up rows), so B by rows, alike; ``down_proj`` by its input features, so A by columns;
+    the replicated factor's gradient (a partial sum over the ranks' hidden slices) is summed. Under ExpertParallel:
+    split by experts (:func:`_place_by_experts`). PEFT folds ``W + B @ A`` per expert into the weight for the experts'
     forward; here that runs on this rank's shard of the weight and the local factors."""
     from ...parallel.expert_parallel import ExpertParallel
 
@@ -118,8 +119,13 @@ def _shard_expert_adapter(layer: nn.Module, adapter: str, where: str) -> None:
     else:
         split = weight.placements[_tp_dim(weight.device_mesh, where)]
         placement = _Placement(base.hf_moe_tp_style, where, weight.device_mesh, kind="experts")
-        # (E, out, in): a split input (dim 2) splits A's columns, a split output (dim 1) B's rows
-        placement.a, placement.b = (Shard(1), Replicate()) if split == Shard(2) else (Replicate(), Shard(0))
+        # PEFT's in_features are dim 2 of (E, out, in), dim 1 of a transposed (E, in, out): a split input splits A's
+        # columns, a split output B's rows, as the weight's (a packed gate/up: each half's rows)
+        inputs = 1 if base.is_transposed else 2
+        if shard_dim(split, 3) == inputs:
+            placement.a, placement.b = Shard(1), Replicate()
+        else:
+            placement.a, placement.b = Replicate(), strided_shard(0, 2) if is_strided_shard(split) else Shard(0)
         _distribute(a, placement, placement.a)
         _distribute(b, placement, placement.b)
         to_local = {"replicated": placement.to_local(sum_tp=True), "split": placement.to_local(sum_tp=False)}

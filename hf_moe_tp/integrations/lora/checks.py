@@ -43,7 +43,7 @@ def check_config(config: Any, model: nn.Module) -> None:
 
 
 def _check_target_parameter(target: str, model: nn.Module) -> None:
-    """A ``target_parameters`` entry must name only GroupedExperts weights (``w1_weight``, ...) that
+    """A ``target_parameters`` entry must name only GroupedExperts weights (``gate_up_proj``, ...) that
     ``TensorParallel`` or ``ExpertParallel`` splits; PEFT matches a parameter whose dotted name ends with the
     entry."""
     from ...parallel.expert_parallel import ExpertParallel
@@ -60,20 +60,18 @@ def _check_target_parameter(target: str, model: nn.Module) -> None:
             f"LoraConfig target_parameters entry {target!r} on the tensor-parallel model"
             + (f" names parameters of {wrong[0]} ({type(model.get_submodule(wrong[0])).__name__})" if wrong else
                " names no parameter of it")
-            + ": LoRA on parameters goes on the routed experts' weights as hf_moe_tp stores them, w1_weight (gate), "
-              "w3_weight (up), w2_weight (down), e.g. target_parameters=['mlp.experts.w1_weight', "
-              "'mlp.experts.w3_weight', 'mlp.experts.w2_weight'] (w1/w3/w2 are their transposed views), not on "
-              "transformers' gate_up_proj/down_proj nor on routers. (With transformers 5 PEFT turns "
-              "target_modules='all-linear', and gate_proj/up_proj/down_proj/w1/w2/w3/gate on Mixtral-, Qwen3-MoE- "
-              "and DeepSeek-like models, into such entries; list the linear layers instead.)")
+            + ": LoRA on parameters goes on the routed experts' weights, transformers' gate_up_proj (up_proj when "
+              "ungated) and down_proj, e.g. target_parameters=['mlp.experts.gate_up_proj', "
+              "'mlp.experts.down_proj'], not on routers or other layers' parameters")
     styles = {name: getattr(module, "hf_moe_tp_style", None) for name, module in hits}
-    biased = [name for name, module in hits if target.endswith("w2_weight") and module.b2 is not None
+    biased = [name for name, module in hits if target.endswith("down_proj") and module.has_bias
               and type(styles[name]) is TensorParallel]
     if biased:
         raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r}: the experts {biased[0]} have a down "
-                                   "bias (b2), added once over the ranks by reading w2's split, which the adapter's "
-                                   "fold hides; LoRA on their w2 is not supported under TensorParallel yet (w1/w3 "
-                                   "are; ExpertParallel, whose ranks hold whole experts, takes w2 too)")
+                                   "bias (down_proj_bias), added once over the ranks by reading down_proj's split, "
+                                   "which the adapter's fold hides; LoRA on their down_proj is not supported under "
+                                   "TensorParallel yet (gate_up_proj is; ExpertParallel, whose ranks hold whole "
+                                   "experts, takes down_proj too)")
     unsplit = [name for name, style in styles.items() if type(style) not in (TensorParallel, ExpertParallel)]
     if unsplit:
         raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r}: the experts {unsplit[0]} run "
@@ -91,7 +89,7 @@ def _check_expert_parallel(target: str, name: str, experts: nn.Module, model: nn
     another mesh, and their gradients, each ep rank's batch's, would need the caller's averaging over ``ep``);
     for the same reason a 1-D mesh's ranks must share the batch (``input_layout=Replicate()``). HSDP (two
     data-parallel dimensions beside the experts') is not placed (untested: it needs 8 ranks)."""
-    weight = experts.w1_weight
+    weight = experts.down_proj
     mesh = weight.device_mesh
     names = mesh.mesh_dim_names or ()
     if mesh.ndim > 2:
@@ -125,7 +123,7 @@ def _ep_dim(mesh: DeviceMesh, where: str) -> int:
     return names.index("ep") if "ep" in names else _tp_dim(mesh, where)
 
 
-EXPERT_WEIGHTS = ("w1_weight", "w3_weight", "w2_weight")
+EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
 
 
 def _tp_dim(mesh: DeviceMesh, where: str) -> int:

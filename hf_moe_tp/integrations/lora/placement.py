@@ -11,15 +11,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from ...parallel.boxes import shard_dim
 from ...parallel.linear import KEEP_SPLIT, ColumnParallel, RowParallel
 from ...parallel.styles import (
     LocalParams,
     MlaKvAProj,
     NoParallel,
     _SumGradOverMesh,
+    distribute,
     local_during_forward,
     sum_over_mesh,
 )
@@ -47,12 +49,13 @@ def _draw_whole(layer: nn.Module, adapter: str, config: Any, in_features: int, o
 
 def _distribute(module: nn.Linear, placement: _Placement, split: Placement) -> None:
     """``module``'s parameters as DTensors on the base weight's mesh, the first rank's values: ``split`` over
-    ``tp`` for the weight (a bias follows its rows), replicated over every other (data-parallel) dimension."""
+    ``tp`` for the weight (a bias follows its rows: a ``_StridedShard`` of packed gate/up rows too), replicated over
+    every other (data-parallel) dimension."""
     for pname, p in list(module.named_parameters(recurse=False)):
-        tp_placement = split if pname == "weight" or split == Shard(0) else Replicate()
+        tp_placement = split if pname == "weight" or shard_dim(split, 2) == 0 else Replicate()
         placements = [Replicate()] * placement.mesh.ndim
         placements[placement.tp_dim] = tp_placement
-        dt = distribute_tensor(p.detach(), placement.mesh, placements, src_data_rank=0)
+        dt = distribute(p.detach(), placement.mesh, placements, 0)
         module.register_parameter(pname, nn.Parameter(dt, requires_grad=p.requires_grad))
 
 
