@@ -22,6 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 from transformers import GenerationConfig, PreTrainedModel
 
+from ._compat import MODEL_TP_PLAN
 from .checkpoint.fp8 import keep_fp8_weights, place_scales
 from .checkpoint.loading import LoadReport, load_checkpoint
 from .checkpoint.saving import bind_save_pretrained
@@ -260,21 +261,25 @@ def build_meta_model(args: Resolved, layout: Layout, model_class: type | None = 
 
 
 def make_plan(model: nn.Module, parallel: ParallelConfig, layout: Layout) -> dict[str, ParallelStyle]:
-    """Module names -> styles for ``model``: ``parallel.tp_plan`` (``"auto"``: :func:`hf_moe_tp.tp_plan`; None:
-    nothing split but, with expert parallelism, the experts; a dict as given), the output projection keeping the
-    logits split with ``loss_parallel``, every ExpertParallel with ``ep_dispatch``."""
+    """Module names -> styles for ``model``: ``parallel.tp_plan`` as transformers means it (``"auto"``:
+    :func:`hf_moe_tp.tp_plan`, the model's own; a dict: the model's own with the dict's entries overriding it,
+    :func:`hf_moe_tp.parallel.plans.override`; ``{}`` or None: nothing split but, with expert parallelism, the
+    experts), the output projection keeping the logits split with ``loss_parallel``, every ExpertParallel with
+    ``ep_dispatch``."""
     mesh, ep_mesh = layout.tp, layout.ep
     ep_size = parallel.ep_size or (ep_mesh["ep"].size() if ep_mesh is not None else None)
-    if parallel.tp_plan == "auto":
-        plan = plans.tp_plan(model, mesh.size(), ep_size=ep_size, loss_parallel=parallel.loss_parallel)
+    if parallel.tp_plan == "auto" or parallel.tp_plan:
+        plan = plans.tp_plan(model, mesh.size(), ep_size=ep_size)
+        if parallel.tp_plan != "auto":
+            plan = plans.override(plan, parallel.tp_plan, model, mesh.size())
     else:
-        plan = plans.resolve_plan(parallel.tp_plan) if parallel.tp_plan is not None else {}
-        if ep_size and ep_size > 1:  # whole experts wherever the plan leaves them (transformers' ep_size beside a
-            # tp_plan, e.g. DistributedConfig(enable_expert_parallel=True) -> ep_size=tp_size, tp_plan={})
-            plan.update(_experts_left(model, plan, ep_size))
-        if parallel.loss_parallel:
-            head = plans.output_embedding_name(model)
-            plan[head] = plans.loss_parallel_head(model, plan.get(head), head)
+        plan = {}
+    if ep_size and ep_size > 1:  # whole experts wherever the plan leaves them (transformers' ep_size beside a
+        # tp_plan, e.g. DistributedConfig(enable_expert_parallel=True) -> ep_size=tp_size, tp_plan={})
+        plan.update(_experts_left(model, plan, ep_size))
+    if parallel.loss_parallel:
+        head = plans.output_embedding_name(model)
+        plan[head] = plans.loss_parallel_head(model, plan.get(head), head)
     if parallel.ep_dispatch is not None:
         plan = {n: ExpertParallel(input_layout=s.input_layout, dispatch=parallel.ep_dispatch)
                 if isinstance(s, ExpertParallel) else s for n, s in plan.items()}
@@ -312,6 +317,7 @@ def place(model: nn.Module, plan: dict[str, ParallelStyle], layout: Layout, para
     if hasattr(model, "generate"):  # so do sampled tokens
         generate_on_leader_state(model, layout.tp)
     model.hf_moe_tp_plan = plan
+    setattr(model, MODEL_TP_PLAN, plans.described(model, plan))  # what transformers' readers of its plan see
     if layout.dp is not None:  # each rank then reads its FSDP shards
         shard_data_parallel(model, layout.dp, mp_policy=parallel.mp_policy, offload_policy=parallel.offload_policy)
 

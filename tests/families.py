@@ -11,6 +11,7 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV3Config,
+    Glm4MoeConfig,
     GptOssConfig,
     Llama4TextConfig,
     MixtralConfig,
@@ -46,6 +47,10 @@ def configs(uneven: bool = False) -> dict:
             hidden_size=32, intermediate_size=48, moe_intermediate_size=i, n_routed_experts=8, num_experts_per_tok=2,
             n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
             qk_nope_head_dim=8, v_head_dim=8, **{**COMMON, "num_key_value_heads": 4}),
+        # fp32-kept router weight and score-correction bias in a bf16 model, a dense first layer, a shared expert
+        "glm4_moe": Glm4MoeConfig(hidden_size=32, intermediate_size=48, moe_intermediate_size=i, n_routed_experts=8,
+                                  num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                                  topk_group=1, head_dim=8, **COMMON),
         # interleaved gate/up with biases, clamped SwiGLU, attention sinks, sliding-window layers
         "gpt_oss": GptOssConfig(hidden_size=32, intermediate_size=i, num_local_experts=4, num_experts_per_tok=2,
                                 head_dim=8, sliding_window=8, **COMMON),

@@ -249,7 +249,9 @@ def test_each_step_alone(world, mixtral):
     plan = pretrained.make_plan(model, parallel, layout)
     assert {n: repr(s) for n, s in plan.items()} == {n: repr(s) for n, s in hf_moe_tp.tp_plan(model, 1).items()}
     assert pretrained.make_plan(model, ParallelConfig(tp_plan=None), layout) == {}
-    assert pretrained.make_plan(model, ParallelConfig(tp_plan={"lm_head": "colwise"}), layout).keys() == {"lm_head"}
+    assert pretrained.make_plan(model, ParallelConfig(tp_plan={}), layout) == {}
+    overridden = pretrained.make_plan(model, ParallelConfig(tp_plan={"lm_head": None}), layout)  # the model's, less one
+    assert overridden.keys() == plan.keys() - {"lm_head"}
 
     pretrained.place(model, plan, layout, parallel, args.path)
     assert model.hf_moe_tp_plan is plan and model.hf_moe_tp_mesh is layout.tp

@@ -9,6 +9,7 @@ from families import configs
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hf_moe_tp.parallel import plans
+from hf_moe_tp.parallel.linear import ColumnParallel
 
 
 def test_unknown_transformers_style_is_refused_by_name():
@@ -79,7 +80,61 @@ def test_ep_size_beside_a_dict_plan(fake_ranks):
     assert set(plan) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
     assert all(isinstance(s, ExpertParallel) for s in plan.values())
     plan = pretrained.make_plan(model, ParallelConfig(tp_plan={"lm_head": "colwise"}, ep_size=2), layout)
-    assert set(plan) == {"lm_head", "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+    assert isinstance(plan["lm_head"], ColumnParallel) and "model.layers.0.self_attn.q_proj" in plan  # the model's
+    assert all(isinstance(plan[f"model.layers.{i}.mlp.experts"], ExpertParallel) for i in (0, 1))
     tensor_parallel = ParallelConfig(tp_plan={"model.layers.*.mlp.experts": TensorParallel()}, ep_size=2)
     with pytest.raises(ValueError, match=r"ep_size=2 with tp_plan giving model\.layers\.0\.mlp\.experts"):
         pretrained.make_plan(model, tensor_parallel, layout)
+
+
+def test_dict_plan_overrides_the_models_plan(fake_ranks):
+    """A dict tp_plan means what it means in transformers: the model's plan with the entries overriding it
+    (transformers' names, patterns from the top model, None / "replicate" keeping a module whole, an expert weight's
+    name for its experts module), the same guards as the model's plan (unit_colwise / unit_rowwise on one query and
+    one key/value head at TP 2: the heads replicated, as transformers does), and an entry naming nothing, or a style
+    object on a layer whose heads do not divide, refused by name."""
+    from hf_moe_tp import ExpertParallel, ParallelConfig, TensorParallel, pretrained
+
+    model = plans.meta_model(configs()["mixtral"])
+    layout = pretrained.make_layout(ParallelConfig())
+    auto = pretrained.make_plan(model, ParallelConfig(), layout)
+    unit = {"model.layers.*.self_attn.q_proj": "unit_colwise", "model.layers.*.self_attn.o_proj": "unit_rowwise",
+            "lm_head": None, "model.layers.0.mlp.experts.gate_up_proj": "grouped_gemm"}
+    plan = pretrained.make_plan(model, ParallelConfig(tp_plan=unit), layout)
+    assert set(plan) == set(auto) - {"lm_head"}
+    assert isinstance(plan["model.layers.0.self_attn.q_proj"], ColumnParallel)
+    assert isinstance(plan["model.layers.0.mlp.experts"], ExpertParallel)
+    assert isinstance(plan["model.layers.1.mlp.experts"], TensorParallel)
+
+    config = configs()["mixtral"]
+    config.num_attention_heads = config.num_key_value_heads = 1
+    config.head_dim = 8
+    one_head = plans.meta_model(config)
+    plan = pretrained.make_plan(one_head, ParallelConfig(tp_plan=unit), layout)
+    assert not any("self_attn" in n for n in plan)  # replicated: heads do not divide by 2
+    with pytest.raises(ValueError, match=r"tp_plan entry 'model\.layers\.\*\.self_attn\.q_proj'.*do not divide"):
+        pretrained.make_plan(one_head, ParallelConfig(tp_plan={"model.layers.*.self_attn.q_proj": ColumnParallel()}),
+                             layout)
+    with pytest.raises(ValueError, match=r"tp_plan entry 'layers\.\*\.self_attn\.q_proj': 'colwise' names no module"):
+        pretrained.make_plan(model, ParallelConfig(tp_plan={"layers.*.self_attn.q_proj": "colwise"}), layout)
+
+
+def test_described_plan_is_transformers(fake_ranks):
+    """The loaded model's ``_tp_plan`` says in transformers' words what was split, as transformers' readers (its
+    test mixins, PEFT) look weights up in it: packed_colwise for a packed gate_up_proj (_StridedShard), colwise for
+    an interleaved one (GPT-OSS), rowwise for down_proj, colwise / rowwise for attention, layer numbers as '*'."""
+    from transformers.distributed.parallel_utils import _get_parameter_plan
+
+    from hf_moe_tp import ParallelConfig, pretrained
+
+    for family, gate_up in (("mixtral", "packed_colwise"), ("gpt_oss", "colwise")):
+        model = plans.meta_model(configs()[family])
+        layout = pretrained.make_layout(ParallelConfig())
+        plan = pretrained.make_plan(model, ParallelConfig(), layout)
+        described = plans.described(model, plan)
+        experts = "model.layers.1.mlp.experts"
+        assert _get_parameter_plan(f"{experts}.gate_up_proj", described) == gate_up
+        assert _get_parameter_plan(f"{experts}.down_proj", described) == "rowwise"
+        assert _get_parameter_plan("model.layers.1.self_attn.q_proj.weight", described) == "colwise"
+        assert _get_parameter_plan("model.layers.1.self_attn.o_proj.weight", described) == "rowwise"
+        assert _get_parameter_plan("model.layers.1.post_attention_layernorm.weight", described) is None

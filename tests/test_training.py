@@ -3,6 +3,7 @@ batch (AdamW with gradient clipping, fp32: loss and total norm within 1e-5 per s
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -294,6 +295,65 @@ def test_fsdp_mixed_precision_and_offload(ranks, checkpoints):
         assert r["param_dtype"] == "torch.bfloat16" and r["offload"] == "OffloadPolicy" and r["dp"] == 2, r
         assert r["stored"] == "torch.float32" and r["loss"] <= 2e-2, r
         assert r["activations"] == {"layer": {"torch.bfloat16"}, "experts": {"torch.bfloat16"}}, r["activations"]
+
+
+def _bf16_fsdp(path: str, fields: dict) -> dict:
+    """A bf16 model (dtype=bfloat16, transformers' float32-kept parameters float32) under FSDP2 through
+    transformers' DistributedConfig: one forward and backward, each data-parallel rank on its rows, then an AdamW
+    step and a forward; the whole gradients by name, against transformers' bf16 and fp32 models in one process."""
+    from families import _whole
+    from transformers.distributed import DistributedConfig
+
+    hf_moe_tp.install()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                     distributed_config=DistributedConfig(**fields)).train()
+    finally:
+        hf_moe_tp.uninstall()
+    ids = batches(model.config.vocab_size, 1)[0]
+    index, count = hf_moe_tp.data_parallel_rank(model)
+    mine = ids.chunk(count)[index]
+    loss = model(mine, labels=mine).loss
+    loss.backward()
+    grads = {n: _whole(p.grad).float() for n, p in model.named_parameters()}
+    whole = loss.detach().float().clone()
+    dist.all_reduce(whole)
+    torch.optim.AdamW(model.parameters(), **ADAMW).step()
+    with torch.no_grad():
+        after = model(mine, labels=mine).loss.item()
+    refs = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation="eager").train()
+        ref_loss = ref(ids, labels=ids).loss
+        ref_loss.backward()
+        refs[dtype] = ref_loss.item(), {n: p.grad.float() for n, p in ref.named_parameters()}
+    (bf16_loss, bf16), (_, fp32) = refs[torch.bfloat16], refs[torch.float32]
+    return {"loss": abs(whole.item() / dist.get_world_size() - bf16_loss), "after": after,
+            "kept": {n: str(p.dtype) for n, p in model.named_parameters() if p.dtype != torch.bfloat16},
+            "grads": {n: ((g - bf16[n]).norm() / fp32[n].norm()).item() for n, g in grads.items()},
+            "noise": max(((bf16[n] - fp32[n]).norm() / fp32[n].norm()).item() for n in grads),
+            "dp": count}
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("world,fields", [(2, dict(fsdp_size=2)), (4, dict(tp_size=2, fsdp_size=2))],
+                         ids=["fsdp2", "dp2_tp2"])
+def test_bf16_fsdp_with_float32_kept_parameters(ranks, tmp_path, family, world, fields):
+    """bf16 FSDP2 on families whose router weight transformers keeps in float32 (DeepSeek-V3, GLM-4-MoE): each
+    module holding float32 parameters is an FSDP2 unit of its own (FSDP2 holds one dtype per unit), as transformers'
+    FSDP2 does, so the first forward runs (it raised "FSDP expects uniform original parameter dtype"). The router
+    weight stays float32 as in transformers' bf16 model; the loss within 2e-2 of transformers' bf16 one process, and
+    every gradient within BF16_GRAD_RTOL (0.06) of the fp32 gradient's norm from transformers' bf16 gradient, the
+    bound test_loading's bf16 gradients use; then an AdamW step trains on."""
+    from families import configs, save_model
+    from test_loading import BF16_GRAD_RTOL
+
+    path = save_model(configs()[family], tmp_path / family)
+    for r in ranks(world).run(_bf16_fsdp, str(path), fields):
+        assert r["dp"] == 2 and r["kept"] == {"model.layers.1.mlp.gate.weight": "torch.float32"}, r["kept"]
+        assert r["loss"] <= 2e-2 and math.isfinite(r["after"]), r
+        bad = {n: e for n, e in r["grads"].items() if not e <= BF16_GRAD_RTOL}
+        assert bad == {}, (bad, r["noise"])
 
 
 def _refused(path: str, fields: dict) -> str | None:

@@ -16,10 +16,13 @@ their gradients, which sum every ep rank's tokens, are divided by the ep size as
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from collections.abc import Iterator
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from .._compat import MODEL_FSDP_MANAGED, MODEL_NO_SPLIT
@@ -69,13 +72,18 @@ def shard_data_parallel(
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         # the last layer is the first that backward needs: resharding it after forward would only re-gather it
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward and i < len(layers) - 1,
-                    ignored_params=ignored or None, **kwargs)
+        reshard = reshard_after_forward and i < len(layers) - 1
+        for unit in _other_dtype_units(layer, ignored):
+            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None, **kwargs)
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None, **kwargs)
     for module, reshard in _embedding_units(model):
         fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard and reshard_after_forward,
                     ignored_params=ignored or None, **kwargs)
         if reshard and _lookup_only(module):
             module.set_unshard_in_backward(False)  # a lookup's gradient needs the indices, not the table
+    for unit in _other_dtype_units(model, ignored):
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None,
+                    **kwargs)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None,
                 **kwargs)
     if not any(p.is_meta for p in ignored):
@@ -83,6 +91,42 @@ def shard_data_parallel(
     setattr(model, MODEL_FSDP_MANAGED, True)  # transformers' generate then keeps the data-parallel ranks in step
     model.hf_moe_tp_dp_mesh = dp_mesh
     return model
+
+
+def _other_dtype_units(unit: nn.Module, ignored: set[nn.Parameter]) -> list[nn.Module]:
+    """Modules inside ``unit`` (not yet in an FSDP2 unit of their own) whose parameters are of a dtype other than
+    most of the unit's: transformers keeps some in float32 in a bf16 model (``_keep_in_fp32_modules_strict``:
+    DeepSeek-V3's and GLM-4-MoE's router weight and score-correction bias), and FSDP2 holds one dtype per unit,
+    so each such module becomes a unit of its own, sharded before ``unit`` (as transformers' FSDP2 does). A module
+    whose own parameters mix dtypes is refused by name."""
+    sizes: Counter[torch.dtype] = Counter()
+    owned: list[tuple[str, nn.Module, set[torch.dtype]]] = []
+    for name, module in _outside_units(unit):
+        params = [p for p in module.parameters(recurse=False) if p not in ignored]
+        for p in params:
+            sizes[p.dtype] += p.numel()
+        if params:
+            owned.append((name, module, {p.dtype for p in params}))
+    if len(sizes) < 2:
+        return []
+    main = sizes.most_common(1)[0][0]
+    out = []
+    for name, module, dtypes in owned:
+        if len(dtypes) > 1:
+            raise ValueError(f"FSDP2 holds one dtype per unit, but {name or type(unit).__name__} holds parameters "
+                             f"of {sorted(map(str, dtypes))}")
+        if main not in dtypes:
+            out.append(module)
+    inside = {id(m) for module in out for m in module.modules() if m is not module}
+    return [m for m in out if id(m) not in inside]
+
+
+def _outside_units(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """``module`` and its submodules, less those inside an FSDP2 unit already (named as ``named_modules``)."""
+    yield prefix, module
+    for name, child in module.named_children():
+        if not isinstance(child, FSDPModule):
+            yield from _outside_units(child, f"{prefix}.{name}" if prefix else name)
 
 
 def _embedding_units(model: nn.Module) -> list[tuple[nn.Module, bool]]:

@@ -10,6 +10,8 @@ dispatch in the hot path and no mixing of plain tensors and DTensors in code tha
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -22,8 +24,9 @@ from torch.distributed.tensor.parallel import (
 )
 from transformers import PretrainedConfig
 
-from .._compat import MODEL_TP_PLAN, from_config
+from .._compat import MODEL_TP_PLAN, from_config, is_strided_shard
 from ..runtime.shutdown import release_at_exit
+from .boxes import shard_dim
 from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
 from .hf_plan import entries, heads_divide, matches
@@ -33,9 +36,11 @@ from .loss import split_loss
 from .styles import (
     LocalDuringCall,
     LocalParams,
+    MlaKvAProj,
     NoParallel,
     TensorParallel,
     VocabParallelEmbedding,
+    expert_placements,
     swap_to_local,
 )
 from .towers import FEATURE_METHODS, owning_config, towers
@@ -213,6 +218,97 @@ def declared_class(config: PretrainedConfig) -> type | None:
 
 def _names(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+# transformers' names for what it does to an experts module or its weights -> ours: TensorParallel splits each
+# expert (packed_colwise / colwise on the up projection, rowwise on down_proj), ExpertParallel whole experts
+EXPERT_STYLE_NAMES = {"packed_colwise": "hf_moe_tp_experts", "packed_rowwise": "hf_moe_tp_experts",
+                      "colwise": "hf_moe_tp_experts", "rowwise": "hf_moe_tp_experts",
+                      "moe_tp_experts": "hf_moe_tp_experts", "grouped_gemm": "hf_moe_tp_expert_parallel",
+                      "ep_dispatch_experts": "hf_moe_tp_expert_parallel"}
+
+
+def override(plan: dict[str, ParallelStyle], entries: dict[str, ParallelStyle | str | None], model: nn.Module,
+             tp_size: int) -> dict[str, ParallelStyle]:
+    """``plan`` (the model's own, :func:`tp_plan`) with ``entries`` overriding it, as a dict ``tp_plan`` means in
+    transformers: each entry (a module name or ``*`` pattern, from the top model) gives the modules it names that
+    style, ``None`` or ``"replicate"`` keeps them whole, and every module the entries do not name keeps its style.
+
+    transformers' names get the guards the model's own plan gets: a layer whose split does not divide (attention
+    whose heads do not divide by ``tp_size``: ``unit_colwise``/``unit_rowwise`` with fewer heads than ranks) stays
+    whole, as transformers then replicates the heads; a style object on such a layer is refused by name. An entry
+    naming an experts module's weight (``mlp.experts.gate_up_proj: packed_colwise``) gives the experts module
+    TensorParallel (``grouped_gemm``: ExpertParallel). An entry naming nothing, or a style hf_moe_tp does not
+    apply, is refused by name."""
+    out = dict(plan)
+    modules = dict(model.named_modules())
+    for pattern, style in entries.items():
+        names = _match(pattern, modules)
+        if not names:  # an experts module's weight, as transformers' plans name them
+            owner = pattern.rpartition(".")[0]
+            names = [n for n in _match(owner, modules) if isinstance(modules[n], GroupedExperts)] if owner else []
+            if not names or style not in EXPERT_STYLE_NAMES:
+                raise ValueError(f"tp_plan entry {pattern!r}: {style!r} names no module of {type(model).__name__} "
+                                 "(keys are module names or '*' patterns from the top model, e.g. "
+                                 "'model.layers.*.self_attn.q_proj')")
+        for name in names:
+            module = modules[name]
+            if style is None or style == "replicate":
+                out.pop(name, None)
+                continue
+            if isinstance(style, str) and isinstance(module, GroupedExperts) and style in EXPERT_STYLE_NAMES:
+                style = EXPERT_STYLE_NAMES[style]
+            if isinstance(style, str) and style in HF_STYLES:
+                if not _divides(name, module, style, owning_config(model, name), tp_size):
+                    out.pop(name, None)  # kept whole, as the model's own plan keeps it
+                    continue
+            elif isinstance(style, ColwiseParallel | RowwiseParallel) and not _divides(
+                    name, module, "rowwise" if isinstance(style, RowwiseParallel) else "colwise",
+                    owning_config(model, name), tp_size):
+                raise ValueError(f"tp_plan entry {pattern!r}: {style!r} on {name}, whose heads or features do not "
+                                 f"divide by the TP size {tp_size}; leave it out (the model's plan keeps it whole)")
+            out[name] = resolve_plan({name: style})[name]
+    return out
+
+
+def described(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, str]:
+    """The applied ``plan`` in transformers' words (its ``model._tp_plan``): module or weight name, layer numbers
+    as ``*``, -> transformers' style name, for code that reads transformers' plan of a loaded model (its test
+    mixins find each weight's split there; PEFT, the Trainer). Replicated modules have no entry; a name whose
+    layers differ is left out."""
+
+    found: dict[str, set[str]] = {}
+    for name, module in model.named_modules():
+        style = _style_for(name, plan)
+        entries: dict[str, str] = {}
+        if isinstance(style, TensorParallel):
+            for param, p in module.named_parameters(recurse=False):
+                placement = expert_placements(module).get(param)
+                if placement is None or shard_dim(placement, p.dim()) is None:
+                    continue
+                if is_strided_shard(placement):
+                    entries[f"{name}.{param}"] = "packed_colwise"
+                else:
+                    inputs = 1 if module.is_transposed else 2
+                    entries[f"{name}.{param}"] = "rowwise" if shard_dim(placement, p.dim()) == inputs else "colwise"
+        elif isinstance(style, ExpertParallel):
+            entries = {f"{name}.{param}": "grouped_gemm" for param, _ in module.named_parameters(recurse=False)}
+            entries[name] = "ep_dispatch_experts"
+        elif isinstance(style, VocabParallelEmbedding):
+            entries[name] = "embedding_rowwise"
+        elif isinstance(style, MlaKvAProj):
+            entries[name] = "mla_kv_a_proj"
+        elif isinstance(style, ColwiseParallel):
+            entries[name] = "colwise"
+        elif isinstance(style, RowwiseParallel):
+            entries[name] = "rowwise"
+        elif isinstance(style, LocalParams) and style.placements:
+            entries[name] = "local_params"
+        elif type(style) is LocalParams and style.sum_grads:
+            entries[name] = "replicated_with_grad_allreduce"
+        for key, value in entries.items():
+            found.setdefault(re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), key), set()).add(value)
+    return {key: values.pop() for key, values in found.items() if len(values) == 1}
 
 
 def resolve_plan(plan: dict[str, ParallelStyle | str]) -> dict[str, ParallelStyle]:
