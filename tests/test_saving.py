@@ -273,3 +273,73 @@ def test_safetensors_writer_matches_safetensors(tmp_path):
     with safe_open(tmp_path / "ours.safetensors", framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
         assert all(torch.equal(f.get_tensor(k), tensors[k]) for k in tensors)
+
+
+# ---- save_pretrained(distributed_checkpoint=True): torch DCP's per-rank files, as transformers writes them --------
+
+
+def _whole_state(model) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if isinstance(v, torch.distributed.tensor.DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _distributed_save(src: str, out: str, layout: dict) -> dict:
+    """Load at ``layout``, train one SGD step (so the save is not the source again), save with
+    distributed_checkpoint=True; its whole state and logits."""
+    model = hf_moe_tp.from_pretrained(src, **layout)
+    model.train()
+    model(IDS, labels=IDS).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    model.eval()
+    model.save_pretrained(out, is_main_process=dist.get_rank() == 0, distributed_checkpoint=True)
+    with torch.no_grad():
+        logits = model(IDS).logits
+    return {"state": _whole_state(model), "logits": logits}
+
+
+def _distributed_read(out: str, layout: dict, transformers_fields: dict | None) -> dict:
+    """Read the distributed checkpoint ``out`` back: ours at ``layout``, and (``transformers_fields``) transformers'
+    own from_pretrained with that DistributedConfig."""
+    model = hf_moe_tp.from_pretrained(out, **layout, record_reads=True)
+    with torch.no_grad():
+        ours = model(IDS).logits
+    from hf_moe_tp.checkpoint.loading import load_targets
+
+    local = [t.to_local() if isinstance(t, torch.distributed.tensor.DTensor) else t
+             for t in load_targets(model).values()]
+    held = sum(t.numel() * t.element_size() for t in local)
+    result = {"state": _whole_state(model), "logits": ours, "read": model.hf_moe_tp_load.bytes_read, "held": held}
+    if transformers_fields is not None:
+        from transformers.distributed import DistributedConfig
+
+        theirs = AutoModelForCausalLM.from_pretrained(out, distributed_config=DistributedConfig(**transformers_fields))
+        with torch.no_grad():
+            result["transformers"] = theirs.eval()(IDS).logits
+    return result
+
+
+@pytest.mark.parametrize("family,world,layout,reader", [
+    ("mixtral", 2, {}, (4, dict(fsdp_size=2))),  # TP 2 (packed gate_up_proj pieces) -> dp 2 x tp 2
+    ("gpt_oss", 4, dict(fsdp_size=2), (2, {})),  # dp 2 x tp 2 (FSDP2 shards of TP shards) -> TP 2
+    ("deepseek_v3", 2, dict(ep_size=2), (1, {})),  # EP 2 (whole experts per rank) -> one process
+])
+def test_distributed_checkpoint(ranks, checkpoints, tmp_path, family, world, layout, reader):
+    """save_pretrained(distributed_checkpoint=True) writes torch DCP's per-rank files as transformers does
+    (shard-0000r-model-00001-of-00001.safetensors beside the configs), each rank its own shards; our from_pretrained
+    reads it back at another layout with exactly the saved weights, each rank reading exactly the bytes it holds
+    (the chunks' parts that its boxes meet), and transformers' own from_pretrained reads it back with the same
+    logits."""
+    out = tmp_path / "dcp"
+    saved = ranks(world).run(_distributed_save, str(checkpoints(family)), str(out), layout)[0]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["config.json", "generation_config.json"]
+        + [f"shard-{r + 1:05d}-model-00001-of-00001.safetensors" for r in range(world)])
+    reader_world, reader_layout = reader
+    fields = dict(fsdp_size=reader_world) if reader_world > 1 else None
+    for r in ranks(reader_world).run(_distributed_read, str(out), reader_layout, fields):
+        wrong = [k for k, v in saved["state"].items() if not torch.equal(v, r["state"][k])]
+        assert r["state"].keys() == saved["state"].keys() and wrong == [], wrong
+        assert (r["logits"] - saved["logits"]).abs().max().item() <= FP32_TOL
+        assert r["read"] == r["held"], (r["read"], r["held"])
+        if fields is not None:
+            assert (r["transformers"] - saved["logits"]).abs().max().item() <= FP32_TOL

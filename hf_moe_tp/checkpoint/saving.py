@@ -53,7 +53,7 @@ from ..parallel.boxes import pieces, shard_dim
 from ..parallel.experts import GroupedExperts
 from ..runtime.agreement import agree, describe
 from .conversions import model_keys, parameter_sources
-from .files import INDEX_FILE, SINGLE_FILE, ST_DTYPES
+from .files import DCP_FILE, INDEX_FILE, SINGLE_FILE, ST_DTYPES
 from .quantized import SCALE_SUFFIX, kept_scales, scale_sources
 from .sources import Axis, Box, Request, Source
 
@@ -84,17 +84,24 @@ def save_pretrained(
     *,
     max_shard_size: int | str = "5GB",
     progress: bool | None = None,
+    distributed_checkpoint: bool = False,
 ) -> SaveReport:
     """Write ``model`` (loaded by :func:`hf_moe_tp.from_pretrained`, sharded or not) to ``out_dir`` as transformers'
     ``save_pretrained`` would: safetensors files with the family's hub keys, split at ``max_shard_size``
     (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``), plus
-    ``config.json`` and ``generation_config.json``.
+    ``config.json`` and ``generation_config.json``. ``distributed_checkpoint=True``: each rank writes its own shards
+    with torch DCP instead, as transformers' ``save_pretrained(..., distributed_checkpoint=True)`` does
+    (:func:`hf_moe_tp.checkpoint.distributed.save_distributed`).
 
     Call it on every rank of the model's process group (or in a single process). Rank 0 writes; every rank
     takes part in the gathers. Raises :class:`SaveError` on every rank if the output directory cannot be
     written or any write fails, leaving no file of this save under its final name. Stale shard files and a
     stale index or single file of an earlier save in ``out_dir`` are removed once the new files are in place.
     """
+    if distributed_checkpoint:
+        from .distributed import save_distributed
+
+        return save_distributed(model, out_dir)
     start = time.perf_counter()
     out = Path(out_dir)
     writer = _rank() == 0
@@ -139,7 +146,7 @@ def save_pretrained(
                 for name in names:
                     os.replace(tmp / name, out / name)
                     installed.append(out / name)
-                _remove_stale(out, set(split.filename_to_tensors), split.is_sharded)
+                remove_weight_files(out, set(names))
             except Exception as e:
                 error = e
         _agree(error, f"cannot finish the save to {out}")
@@ -162,9 +169,9 @@ def bind_save_pretrained(model: nn.Module) -> None:
     model.save_pretrained = types.MethodType(_save_pretrained_method, model)
 
 
-# transformers' save_pretrained arguments and the one value each may take here
+# transformers' save_pretrained arguments and the one value each may take here (distributed_checkpoint: either)
 _SAVE_ARGUMENTS = {"state_dict": None, "push_to_hub": False, "variant": None, "save_original_format": True,
-                   "distributed_checkpoint": False, "safe_serialization": True}
+                   "safe_serialization": True}
 
 
 def _save_pretrained_method(self: nn.Module, save_directory: str | os.PathLike, is_main_process: bool = True,
@@ -172,6 +179,7 @@ def _save_pretrained_method(self: nn.Module, save_directory: str | os.PathLike, 
     # ``is_main_process`` is accepted: rank 0 of the model's group writes, the others take part in the gathers
     kwargs.pop("token", None)  # the hub's, for push_to_hub, which is refused
     kwargs.pop("save_peft_format", None)  # PEFT adapters' key format: no adapters in this save
+    distributed = bool(kwargs.pop("distributed_checkpoint", False))
     unknown = sorted(set(kwargs) - set(_SAVE_ARGUMENTS))
     if unknown:
         raise TypeError(f"save_pretrained() got unexpected keyword argument(s) {', '.join(unknown)}")
@@ -179,7 +187,7 @@ def _save_pretrained_method(self: nn.Module, save_directory: str | os.PathLike, 
     if refused:
         raise ValueError(f"save_pretrained of an hf_moe_tp model: {', '.join(refused)} not supported (it writes "
                          f"the model's own tensors as safetensors in the hub's format, to a local directory)")
-    save_pretrained(self, save_directory, max_shard_size=max_shard_size)
+    save_pretrained(self, save_directory, max_shard_size=max_shard_size, distributed_checkpoint=distributed)
 
 
 # ---- what to write ---------------------------------------------------------------------------------------------
@@ -542,12 +550,12 @@ def _prepare_dir(out: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=".hf_moe_tp-save-", dir=out))
 
 
-def _remove_stale(out: Path, files: set[str], sharded: bool) -> None:
-    """Weight files of an earlier save that the new one does not replace (they would shadow or confuse it)."""
+def remove_weight_files(out: Path, keep: set[str]) -> None:
+    """Weight files of an earlier save in ``out`` that the new one, ``keep``, does not replace (they would shadow or
+    confuse it): a single file, an index and its shards, torch DCP's per-rank files."""
     for p in out.iterdir():
-        stale_shard = _SHARD_NAME.fullmatch(p.name) and p.name not in files
-        stale = (p.name == INDEX_FILE and not sharded) or (p.name == SINGLE_FILE and sharded)
-        if (stale_shard or stale) and p.is_file():
+        weights = p.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_NAME.fullmatch(p.name) or DCP_FILE.fullmatch(p.name)
+        if weights and p.name not in keep and p.is_file():
             p.unlink()
 
 
