@@ -181,7 +181,7 @@ REFUSED = [
     (dict(load_in_8bit=True), "load_in_8bit=True"),
     (dict(load_in_4bit=True), "load_in_4bit=True"),
     (dict(use_safetensors=False), "use_safetensors=False"),
-    (dict(experts_implementation="batched_mm"), "experts_implementation='batched_mm'"),
+    (dict(experts_implementation="sonicmoe"), "experts_implementation='sonicmoe'"),
     (dict(tp_size=2), "tp_size=2"),
     (dict(variant="fp16"), "variant='fp16'"),
     (dict(gguf_file="model.gguf"), "gguf_file="),
@@ -240,3 +240,45 @@ def test_arguments_that_cannot_apply_are_refused(ranks, mixtral, kwargs, named):
     for kind, message in results:
         assert kind == "ValueError" and named in message and message.endswith("(opened 0)"), message
     assert len({m for _, m in results}) == 1, results
+
+
+def _experts_implementations(path: str) -> dict:
+    """Loaded with experts_implementation="eager" (the loop), then set_experts_implementation to each of
+    transformers' names: which matmul the experts run (torch's kernel or not), the logits, and an unsupported name's
+    refusal."""
+    from hf_moe_tp.parallel import grouped_matmul as gmm
+
+    calls = []
+    real = gmm._KERNEL
+    gmm._KERNEL = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        model = hf_moe_tp.from_pretrained(path, experts_implementation="eager")
+        ids = IDS
+        out = {}
+        for name in ("eager", "grouped_mm", "batched_mm"):
+            if name != "eager":
+                model.set_experts_implementation(name)
+            calls.clear()
+            with torch.no_grad():
+                out[name] = (model(ids).logits, len(calls))
+        model.config._experts_implementation = "deepgemm"  # as set_experts_implementation would where installed
+        try:
+            model(ids)
+        except NotImplementedError as e:
+            out["refused"] = str(e)
+        return out
+    finally:
+        gmm._KERNEL = real
+
+
+def test_experts_implementation_is_honoured(ranks, mixtral):
+    """from_pretrained(experts_implementation=...) and model.set_experts_implementation(...) choose what the
+    GroupedExperts run (transformers' names: eager, grouped_mm, batched_mm), the same logits each way; a name with no
+    kernel here is refused by name at the forward."""
+    expected = _reference(mixtral)
+    for r in ranks(2).run(_experts_implementations, mixtral):
+        for name in ("eager", "grouped_mm", "batched_mm"):
+            logits, kernels = r[name]
+            assert (logits - expected).abs().max().item() <= 2e-5, name
+            assert (kernels > 0) == (name == "grouped_mm"), (name, kernels)
+        assert "experts_implementation 'deepgemm'" in r["refused"], r

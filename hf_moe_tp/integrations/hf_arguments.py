@@ -20,6 +20,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from .._compat import CONFIG_EXPERTS_IMPLEMENTATION
 from ..checkpoint.quantized import check_requested, quantization_of, refuse_requested
+from ..parallel.experts import IMPLEMENTATIONS
 
 # Hub download options: they go to huggingface_hub for a repo id (and are meaningless for a local directory,
 # as in transformers).
@@ -52,7 +53,7 @@ NO_OPS = {"low_cpu_mem_usage", "weights_only", "_fast_init"}
 # transformers' internal keywords, which its Auto classes and pipelines pass down to a model class's
 # ``from_pretrained`` (5.25 always passes ``_from_auto``); transformers' own method pops them unused, as we do.
 AUTO_CLASS_KEYWORDS = {"_from_auto", "_from_pipeline", "_commit_hash", "code_revision"}
-EXPERTS_IMPLEMENTATIONS = (None, "grouped_mm")
+EXPERTS_IMPLEMENTATIONS = (None, *IMPLEMENTATIONS)
 
 
 @dataclass
@@ -85,7 +86,8 @@ def refuse(kwargs: dict[str, Any]) -> None:
     if experts is None:  # transformers' auto classes move it into the config they pass on
         experts = getattr(kwargs.get("config"), CONFIG_EXPERTS_IMPLEMENTATION, None)
     if experts not in EXPERTS_IMPLEMENTATIONS:
-        refused.append(f"experts_implementation={experts!r} (experts are GroupedExperts: 'grouped_mm' only)")
+        refused.append(f"experts_implementation={experts!r} (experts are GroupedExperts: "
+                       f"{', '.join(repr(i) for i in IMPLEMENTATIONS)})")
     if refused:
         raise ValueError("from_pretrained argument(s) not supported by hf_moe_tp: " + "; ".join(refused))
     if kwargs.get("generation_config") is not None and not isinstance(kwargs["generation_config"], GenerationConfig):
@@ -97,7 +99,8 @@ def resolve(path: str | os.PathLike, dtype: Any = None, **kwargs: Any) -> Resolv
     """Apply transformers' ``from_pretrained`` keyword arguments, which :func:`refuse` has passed (the README's
     table)."""
     requested_quantization = kwargs.pop("quantization_config", None)
-    for k in (*REFUSED, *NO_OPS, *AUTO_CLASS_KEYWORDS, "use_safetensors", "experts_implementation"):
+    experts = kwargs.pop("experts_implementation", None)
+    for k in (*REFUSED, *NO_OPS, *AUTO_CLASS_KEYWORDS, "use_safetensors"):
         kwargs.pop(k, None)
     if "torch_dtype" in kwargs:  # transformers' older name
         torch_dtype_ = kwargs.pop("torch_dtype")
@@ -122,6 +125,8 @@ def resolve(path: str | os.PathLike, dtype: Any = None, **kwargs: Any) -> Resolv
         overrides[key] = value
     for key, value in overrides.items():
         setattr(config, key, value)
+    if experts is not None:  # GroupedExperts run what the config names, as transformers' expert modules do
+        setattr(config, CONFIG_EXPERTS_IMPLEMENTATION, experts)
     # the checkpoint's quantization: one hf_moe_tp reads (and the one asked for), or refused here, before any read
     check_requested(requested_quantization, quantization_of(config, local / "config.json"), local / "config.json")
     return Resolved(local, config, torch_dtype(dtype, config, local), attn, generation_config,
