@@ -358,6 +358,8 @@ def test_lora_save_load_merge(ranks, checkpoints, tmp_path, layout):  # noqa: F8
 
 
 REFUSED = {  # LoraConfig, the layout, what the message names
+    # PEFT turns it into target_parameters on transformers' experts and routers: the routers' are refused
+    "all-linear": (dict(target_modules="all-linear"), {}, "target_parameters entry 'gate.weight'"),
     "the w1 view": (dict(target_parameters=["mlp.experts.w1"]), {}, "names no parameter"),
     "router": (dict(target_parameters=["mlp.gate.weight"]), {}, "names parameters of"),
     "pissa": (dict(target_modules=ATTENTION, init_lora_weights="pissa"), {}, "init_lora_weights='pissa'"),
