@@ -33,3 +33,26 @@ def test_decorated_experts_are_swapped():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert len(Adapter().swap_experts(model)) == config.num_hidden_layers
+
+
+def test_parameters_are_transformers_for_every_family():
+    """For every MoE family of the installed transformers (the coverage matrix's tiny configs), the model with its
+    experts swapped for GroupedExperts holds exactly transformers' parameters: the same names, shapes and order in
+    ``named_parameters()`` (so state dicts, PEFT target names and DCP keys are transformers')."""
+    from accelerate import init_empty_weights
+
+    from bench.coverage_models import build_config, discover, model_class
+    from hf_moe_tp.parallel.plans import meta_model
+
+    different, families = {}, discover()
+    for family in families:
+        config, kind = build_config(family, 8)
+        cls = model_class(kind)
+        with init_empty_weights():
+            theirs = cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
+        ours = meta_model(config, cls)
+        mine = [(n, tuple(p.shape)) for n, p in ours.named_parameters()]
+        want = [(n, tuple(p.shape)) for n, p in theirs.named_parameters()]
+        if mine != want:
+            different[family.name] = ([x for x in mine if x not in want][:3], [x for x in want if x not in mine][:3])
+    assert len(families) >= 70 and different == {}, different
