@@ -211,18 +211,21 @@ NOTHING_ON_IMPORT = r"""
 import sys, torch
 from accelerate.parallelism_config import ParallelismConfig
 import transformers.trainer
+from torch.distributed.tensor import DTensor
 from transformers import Trainer
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 hooks = torch.nn.modules.module._global_module_registration_hooks
 
 def finders():  # but hf_moe_tp's finder for its own old module paths (hf_moe_tp._moved), which answers for no other
     return [f for f in sys.meta_path if not getattr(f, "hf_moe_tp_moved", False)]
 
-before = (ParallelismConfig._validate_accelerator, dict(hooks), finders(), dict(vars(Trainer)))
-paths = list(sys.meta_path)
-
 def now():
-    return (ParallelismConfig._validate_accelerator, dict(hooks), finders(), dict(vars(Trainer)))
+    return (ParallelismConfig._validate_accelerator, dict(hooks), finders(), dict(vars(Trainer)),
+            ALL_EXPERTS_FUNCTIONS["grouped_mm"], DTensor.__create_write_items__)
+
+before = now()
+paths = list(sys.meta_path)
 
 import hf_moe_tp
 assert now() == before, "import hf_moe_tp changed another library"
@@ -230,7 +233,7 @@ added = [f for f in sys.meta_path if f not in paths]
 assert len(added) == 1 and type(added[0]).__module__ == "hf_moe_tp._moved", added
 hf_moe_tp.install()
 changed = now()
-assert changed[0] is not before[0] and len(changed[1]) == len(before[1]) + 1
+assert changed[0] is not before[0] and len(changed[1]) == len(before[1]) + 1 and changed[4] is not before[4]
 patched = sorted(n for n in vars(Trainer) if changed[3][n] is not before[3][n])
 assert patched == sorted(["__init__", "compute_loss", "_load_from_checkpoint", "_load_best_model",
                           "_load_optimizer_and_scheduler", "_save_optimizer_and_scheduler", "evaluation_loop"]), patched
@@ -242,11 +245,55 @@ print("OK")
 
 def test_import_changes_no_other_library_and_uninstall_undoes_install():
     """``import hf_moe_tp`` leaves accelerate's check, torch's module-registration hooks, ``sys.meta_path`` (but for
-    the finder of hf_moe_tp's own old module paths) and transformers' Trainer as they were; ``install()`` switches
-    the integrations on and ``uninstall()`` puts every one back (the same objects: a plain transformers model then
-    trains exactly as without the package)."""
+    the finder of hf_moe_tp's own old module paths), transformers' Trainer and experts registry and DTensor's DCP
+    hooks as they were; ``install()`` switches the integrations on and ``uninstall()`` puts every one back (the same
+    objects: a plain transformers model then trains exactly as without the package)."""
     import subprocess
     import sys
 
     done = subprocess.run([sys.executable, "-c", NOTHING_ON_IMPORT], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-2000:]
+
+
+def _transformers_experts(hidden: int, bias: bool):
+    """transformers' own MixtralExperts (GptOssExperts with ``bias``: transposed, interleaved, biased) with O(1)
+    outputs, and a routing."""
+    from transformers import GptOssConfig, MixtralConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    config = (GptOssConfig if bias else MixtralConfig)(hidden_size=32, intermediate_size=hidden, num_local_experts=8)
+    experts = (GptOssExperts if bias else MixtralExperts)(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape) / 6)
+    g = torch.Generator().manual_seed(1)
+    index = torch.rand(20, 8, generator=g).topk(2, dim=-1).indices
+    return experts, torch.randn(20, 32, generator=g), index, torch.rand(20, 2, generator=g)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["mixtral", "gpt_oss"])
+def test_installed_transformers_experts_take_every_size(bias):
+    """After install(), transformers' own (unsharded) experts' default "grouped_mm" runs hf_moe_tp's grouped matmul:
+    an expert hidden size of 37 in fp32 (148-byte strides, which torch's kernel refuses and transformers' function
+    then raises on) gives transformers' eager loop's outputs and gradients; uninstall() gives transformers' back."""
+    experts, x, index, weights = _transformers_experts(37, bias)
+    experts.config._experts_implementation = "eager"
+    want = experts(x, index, weights)
+    (want * 1.5).sum().backward()
+    want_grads = {n: p.grad.clone() for n, p in experts.named_parameters()}
+    experts.zero_grad()
+    experts.config._experts_implementation = "grouped_mm"
+    with pytest.raises(RuntimeError, match="strides should be multiple of 16 bytes"):
+        experts(x, index, weights)
+    hf_moe_tp.install()
+    try:
+        got = experts(x, index, weights)
+        (got * 1.5).sum().backward()
+    finally:
+        hf_moe_tp.uninstall()
+    assert (got - want).abs().max().item() <= 1e-5
+    assert all((p.grad - want_grads[n]).abs().max().item() <= 1e-5 for n, p in experts.named_parameters())
+    with pytest.raises(RuntimeError, match="strides should be multiple of 16 bytes"):
+        experts(x, index, weights)

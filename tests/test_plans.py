@@ -138,3 +138,28 @@ def test_described_plan_is_transformers(fake_ranks):
         assert _get_parameter_plan("model.layers.1.self_attn.q_proj.weight", described) == "colwise"
         assert _get_parameter_plan("model.layers.1.self_attn.o_proj.weight", described) == "rowwise"
         assert _get_parameter_plan("model.layers.1.post_attention_layernorm.weight", described) is None
+
+
+def test_experts_the_split_would_cut_stay_whole(fake_ranks, caplog):
+    """GPT-OSS's gate and up features interleave: 21 hidden features (42 interleaved) over 2 ranks would cut a
+    gate/up pair, so the model's plan keeps those experts whole (as transformers' own GPT-OSS plan keeps them), with a
+    warning naming why; TensorParallel asked for them by name is refused. 22 splits into whole pairs."""
+    import logging
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from hf_moe_tp import TensorParallel
+
+    config = configs()["gpt_oss"]
+    config.intermediate_size = 21
+    model = plans.meta_model(config)
+    with caplog.at_level(logging.WARNING, logger="hf_moe_tp.parallel.plans"):
+        plan = plans.tp_plan(model, 2)
+    assert not any(name.endswith("mlp.experts") for name in plan), sorted(plan)
+    assert "would cut a gate/up pair" in caplog.text
+    mesh = init_device_mesh("cpu", (2,))
+    with pytest.raises(ValueError, match=r"TensorParallel cannot split these experts: its 42 interleaved gate/up"):
+        parallelize_module(model.model.layers[0].mlp.experts, mesh, TensorParallel())
+    config.intermediate_size = 22
+    assert isinstance(plans.tp_plan(plans.meta_model(config), 2)["model.layers.0.mlp.experts"], TensorParallel)

@@ -8,7 +8,9 @@ Why a patch: transformers' TP loader shards each checkpoint tensor with its own 
 own expert modules; there is no hook to hand it a different module layout. So the one patch here wraps
 ``PreTrainedModel.from_pretrained``: a call with a TP plan on an MoE config goes to hf_moe_tp, every other
 call is untouched. Our style names are registered in transformers' public ``ParallelInterface`` so plans that
-name them validate there; transformers itself never applies them.
+name them validate there; transformers itself never applies them. transformers' own (unsharded) MoE models also run
+their ``"grouped_mm"`` experts on hf_moe_tp's grouped matmul meanwhile, which takes every size
+(:mod:`hf_moe_tp.integrations.experts_interface`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 from .._compat import unregister_parallel_style
 from ..parallel.config import ParallelConfig
 from ..parallel.plans import STYLE_NAMES
+from . import experts_interface
 from .hf_arguments import HUB_OPTIONS
 
 _original = None  # PreTrainedModel.from_pretrained's function while installed
@@ -39,6 +42,7 @@ def install() -> None:
     enable()  # accelerate on CPU, PEFT, the Trainer (hf_moe_tp.integrations.switch)
     if _original is not None:
         return
+    experts_interface.register()  # transformers' own experts: grouped matmul with a loop where torch refuses
     _original = PreTrainedModel.from_pretrained.__func__
     PreTrainedModel.from_pretrained = classmethod(_wrap(_original))
     for name in STYLE_NAMES:
@@ -53,6 +57,7 @@ def uninstall() -> None:
     disable()
     if _original is None:
         return
+    experts_interface.unregister()
     PreTrainedModel.from_pretrained = classmethod(_original)
     _original = None
     for name in STYLE_NAMES:

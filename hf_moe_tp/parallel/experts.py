@@ -246,17 +246,8 @@ class GroupedExperts(nn.Module):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         x, index, weights = _local(hidden_states), _local(top_k_index), _local(top_k_weights)
-        num_tokens, top_k = index.shape
-
-        # Sort the (token, slot) pairs by expert so each expert's rows are contiguous.
-        flat = index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        expert_of_row = flat[order]
-        # pairs per expert of this rank (all, unless EP); not bincount, whose output size is read on the host
-        counts = torch.zeros(_local(self.down_proj).shape[0], dtype=torch.long, device=flat.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))
-        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        rows = x[order // top_k]
+        order, expert_of_row, offsets = route(index, _local(self.down_proj).shape[0])
+        rows = x[order // index.shape[1]]
         row_weights = weights.reshape(-1)[order].unsqueeze(-1)
         if self.score_before_experts:
             rows = rows * row_weights.to(rows.dtype)
@@ -275,13 +266,7 @@ class GroupedExperts(nn.Module):
                 out = self.post_expert_norm(out, expert_of_row + _first_expert(self.down_proj))
             else:
                 out = self.post_expert_norm(out)
-
-        # Weight, put back in (token, slot) order and sum the slots: accumulates in the routing weights'
-        # dtype (fp32 from most routers) and rounds once, as transformers does.
-        if not self.score_before_experts:
-            out = out * row_weights
-        out = torch.empty_like(out).index_copy_(0, order, out)  # in place: the out-of-place op clones first
-        return out.view(num_tokens, top_k, out.size(-1)).sum(dim=1).to(x.dtype)
+        return combine(out, order, None if self.score_before_experts else row_weights, index.shape, x.dtype)
 
     def _matmul(self, rows: torch.Tensor, name: str, expert_of_row: torch.Tensor, offsets: torch.Tensor
                 ) -> torch.Tensor:
@@ -310,6 +295,28 @@ class GroupedExperts(nn.Module):
             + (", interleaved=True" if not self.is_concatenated else "")
             + (", score_before_experts=True" if self.score_before_experts else "")
         )
+
+
+def route(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs of ``index`` (T, k) sorted by expert, so each expert's rows are contiguous:
+    (the order of the flattened pairs, each sorted row's expert, the int32 cumulative row count per expert). The
+    counts come without ``bincount``, whose output size is read on the host."""
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return order, flat[order], torch.cumsum(counts, 0, dtype=torch.int32)
+
+
+def combine(out: torch.Tensor, order: torch.Tensor, row_weights: torch.Tensor | None, index_shape: torch.Size,
+            dtype: torch.dtype) -> torch.Tensor:
+    """The sorted rows' outputs weighted (``row_weights``, None where they were scaled before), put back in (token,
+    slot) order and summed over the slots: accumulated in the routing weights' dtype (fp32 from most routers) and
+    rounded once to ``dtype``, as transformers does."""
+    if row_weights is not None:
+        out = out * row_weights
+    out = torch.empty_like(out).index_copy_(0, order, out)  # in place: the out-of-place op clones first
+    return out.view(*index_shape, out.size(-1)).sum(dim=1).to(dtype)
 
 
 def _half(t: torch.Tensor, dim: int, which: int, concatenated: bool) -> torch.Tensor:

@@ -10,6 +10,7 @@ dispatch in the hot path and no mixing of plain tensors and DTensors in code tha
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
@@ -42,6 +43,7 @@ from .styles import (
     VocabParallelEmbedding,
     expert_placements,
     swap_to_local,
+    unsplittable,
 )
 from .towers import FEATURE_METHODS, owning_config, towers
 
@@ -83,6 +85,8 @@ STYLE_NAMES = {
     "hf_moe_tp_local_sum_grads": lambda: LocalParams(),
 }
 ROUTER_NAMES = ("gate", "router")
+
+logger = logging.getLogger(__name__)
 
 
 def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, ep_size: int | None = None,
@@ -140,6 +144,11 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, 
     plan.update(sink_entries(model, plan))
     for name, module in modules.items():
         if isinstance(module, GroupedExperts):
+            whole = None if ep_size and ep_size > 1 else unsplittable(module, tp_size)
+            if whole is not None:  # kept whole on every rank, as transformers' own plan keeps GPT-OSS's experts
+                logger.warning("%s: %s; its experts stay whole on every rank (ExpertParallel, ep_size=%s, splits them "
+                               "by experts)", name, whole, tp_size)
+                continue
             plan[name] = ExpertParallel() if ep_size and ep_size > 1 else TensorParallel()
             parent = name.rpartition(".")[0]
             for router in ROUTER_NAMES:

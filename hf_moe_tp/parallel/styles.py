@@ -42,6 +42,19 @@ def expert_placements(module: nn.Module) -> dict[str, Placement]:
             "down_proj": Shard(in_dim), "down_proj_bias": Replicate()}
 
 
+def unsplittable(experts: nn.Module, tp_size: int | None) -> str | None:
+    """Why :class:`TensorParallel` cannot split ``experts`` over ``tp_size`` ranks (None where it can): fewer hidden
+    features than ranks, or interleaved gate/up features whose split would cut a gate/up pair."""
+    if not tp_size or tp_size == 1:
+        return None
+    if experts.hidden < tp_size:
+        return f"an expert hidden size of {experts.hidden} does not split over {tp_size} ranks"
+    if experts.has_gate and not experts.is_concatenated and -(-2 * experts.hidden // tp_size) % 2:
+        return (f"its {2 * experts.hidden} interleaved gate/up features over {tp_size} ranks would cut a gate/up "
+                "pair")
+    return None
+
+
 class TensorParallel(ParallelStyle):
     """Split every expert along its hidden size: ``w1``/``w3`` column-wise, ``w2`` row-wise.
 
@@ -78,14 +91,10 @@ class TensorParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_mesh(device_mesh, self)
-        hidden, size = module.hidden, device_mesh.size()
-        if hidden < size:
-            raise ValueError(f"TensorParallel splits each expert's hidden size {hidden} over {size} "
-                             f"ranks; it must be at least the TP size (use a smaller TP size)")
-        if module.has_gate and not module.is_concatenated and -(-2 * hidden // size) % 2:
-            raise ValueError(f"TensorParallel on experts whose gate and up features interleave: {2 * hidden} "
-                             f"features over {size} ranks cut a gate/up pair; use a TP size that makes each rank's "
-                             "slice even (or ExpertParallel)")
+        why = unsplittable(module, device_mesh.size())
+        if why is not None:
+            raise ValueError(f"TensorParallel cannot split these experts: {why}; use another TP size, or "
+                             "ExpertParallel (whole experts per rank)")
         distribute_params(module, device_mesh, expert_placements(module), self.src_data_rank)
         norm = getattr(module, "post_expert_norm", None)
         if norm is not None:  # rows completed before the norm (k rows per token): the output is then whole
