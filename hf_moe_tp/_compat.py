@@ -77,6 +77,7 @@ PRIVATE: dict[str, Private] = {p.path: p for p in (
 MODEL_TP_SIZE = "_tp_size"
 MODEL_LOADED_DISTRIBUTED = "_is_distributed_loading_by_transformers"
 MODEL_FSDP_MANAGED = "_is_fsdp_managed_module"
+MODEL_FSDP_PLAN = "_fsdp_plan"
 CONFIG_EXPERTS_IMPLEMENTATION = "_experts_implementation_internal"
 # transformers' model and expert-class protocol (underscored attributes its own loaders and plans read)
 MODEL_TP_PLAN = "_tp_plan"

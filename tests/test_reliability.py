@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from families import configs, save_family, save_model
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import Replicate
 
 import hf_moe_tp
 from hf_moe_tp.pretrained import LoadError
@@ -148,12 +149,33 @@ def test_mesh_not_covering_the_world(ranks, good):
         assert message is not None and "must cover the world of 4 ranks" in message
 
 
+def _narrow_experts(path: str) -> tuple[str | None, bool, float]:
+    """TensorParallel named for experts of hidden size 2 over 4 ranks (refused), and the model's own plan (which
+    keeps them whole): the refusal, whether the experts are whole, and the logits against transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_moe_tp import TensorParallel
+
+    _, message = _load_error(path, tp_plan={"model.layers.*.mlp.experts": TensorParallel()})
+    model = hf_moe_tp.from_pretrained(path)
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+    ids = torch.arange(1, 13).view(2, 6)
+    with torch.no_grad():
+        diff = (model(ids).logits - ref(ids).logits).abs().max().item()
+    whole = all(p.placements == (Replicate(),) for p in model.model.layers[0].mlp.experts.parameters())
+    return message, whole, diff
+
+
 def test_tp_larger_than_expert_hidden(ranks, tmp_path):
+    """An expert hidden size smaller than the TP size: TensorParallel asked for by name is refused on every rank,
+    naming the sizes; the model's own plan keeps those experts whole (as attention whose heads do not divide), with
+    transformers' logits."""
     config = configs()["mixtral"]
     config.intermediate_size = 2
     path = save_model(config, tmp_path / "narrow")
-    for _, message in ranks(4).run(_load_error, str(path)):
-        assert message is not None and "hidden size 2 over 4 ranks" in message
+    for message, whole, diff in ranks(4).run(_narrow_experts, str(path)):
+        assert message is not None and "an expert hidden size of 2 does not split over 4 ranks" in message
+        assert whole and diff <= 2e-5, (whole, diff)
 
 
 def _logits_bits(path: str) -> bytes:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .._compat import EXPERTS_APPLY_GATE
 from ..parallel.experts import combine, route
 from ..parallel.grouped_matmul import grouped_mm
 
@@ -34,7 +35,7 @@ def grouped_mm_experts(self: nn.Module, hidden_states: torch.Tensor, top_k_index
     up = self.gate_up_proj if self.has_gate else self.up_proj
     h = _linear(rows, up, offsets, expert_of_row, self.is_transposed,
                 (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None)
-    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    h = getattr(self, EXPERTS_APPLY_GATE)(h) if self.has_gate else self.act_fn(h)
     out = _linear(h, self.down_proj, offsets, expert_of_row, self.is_transposed,
                   self.down_proj_bias if self.has_bias else None)
     if getattr(self, "has_post_expert_norm", False):

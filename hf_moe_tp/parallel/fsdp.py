@@ -1,9 +1,11 @@
-"""FSDP2 over the data-parallel dimensions of a tensor-parallel model: torchtitan's recipe on our layouts.
+"""FSDP2 over the data-parallel dimensions of a tensor-parallel model: transformers' FSDP plan on our layouts.
 
-``fully_shard`` goes on every decoder layer, the input embedding and the output projection (each its own unit;
-the last layer and the output projection kept gathered from forward to backward, which needs them first; the
-input embedding not gathered again for backward, which does not read it), then
-on the root (final norm and the rest), over the
+``fully_shard`` goes on the units of the model's own FSDP plan, as transformers applies it (:func:`units`: every
+decoder layer, the input embedding, the final norm with the output projection), with torchtitan's refinements (the
+last layer and the output projection kept gathered from forward to backward, which needs them first; the input
+embedding not gathered again for backward, which does not read it), and on modules holding another dtype than their
+unit (float32-kept routers in a bf16 model), then
+on the root (the rest), over the
 data-parallel mesh: one dimension (FSDP) or two (``dp_replicate``, ``dp_shard``: HSDP). The parameters are
 already DTensors on the tensor-parallel mesh, so FSDP2 makes them DTensors on the parent mesh (data-parallel
 dims first, then ``tp``): every parameter lives on that one mesh, and one ``clip_grad_norm_`` call covers all.
@@ -25,7 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from .._compat import MODEL_FSDP_MANAGED, MODEL_NO_SPLIT
+from .._compat import MODEL_FSDP_MANAGED, MODEL_FSDP_PLAN, MODEL_NO_SPLIT
+from .hf_plan import matches
 
 logger = logging.getLogger(__name__)
 
@@ -70,17 +73,16 @@ def shard_data_parallel(
     kwargs = {"mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload_policy or OffloadPolicy()}
     ignored = _expert_params_over_batches(model, dp_mesh)
     layers = decoder_layers(model)
-    for i, layer in enumerate(layers):
+    last = layers[-1] if layers else None
+    for modules, reshard in units(model):
         # the last layer is the first that backward needs: resharding it after forward would only re-gather it
-        reshard = reshard_after_forward and i < len(layers) - 1
-        for unit in _other_dtype_units(layer, ignored):
+        reshard = reshard and reshard_after_forward and modules[-1] is not last
+        for unit in [u for m in modules for u in _other_dtype_units(m, ignored)]:
             fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None, **kwargs)
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None, **kwargs)
-    for module, reshard in _embedding_units(model):
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard and reshard_after_forward,
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=dp_mesh, reshard_after_forward=reshard,
                     ignored_params=ignored or None, **kwargs)
-        if reshard and _lookup_only(module):
-            module.set_unshard_in_backward(False)  # a lookup's gradient needs the indices, not the table
+        if reshard and len(modules) == 1 and _lookup_only(modules[0]):
+            modules[0].set_unshard_in_backward(False)  # a lookup's gradient needs the indices, not the table
     for unit in _other_dtype_units(model, ignored):
         fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None,
                     **kwargs)
@@ -129,6 +131,45 @@ def _outside_units(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, n
             yield from _outside_units(child, f"{prefix}.{name}" if prefix else name)
 
 
+def units(model: nn.Module) -> list[tuple[list[nn.Module], bool]]:
+    """The FSDP2 units of ``model`` before its root, as (modules sharded together, reshard after forward), in the
+    order they are sharded: transformers' FSDP plan of the model (``fsdp_plan``: its class's and its config's
+    ``base_model_fsdp_plan``, decoder layers and embeddings ``free_full_weight``, the final norm and output
+    projection ``keep_full_weight``), resolved as transformers resolves it (tied embeddings: one unit; the final
+    norm and the output projection one unit; deeper modules first), so the model's FSDP2 units are transformers' own.
+    Without a plan that names every decoder layer: each decoder layer and the embeddings (torchtitan's grouping)."""
+    found = _plan_units(model)
+    covered = {id(m) for modules, _ in found for m in modules}
+    if found and all(id(layer) in covered for layer in decoder_layers(model)):
+        return found
+    return [([layer], True) for layer in decoder_layers(model)] + [([m], r) for m, r in _embedding_units(model)]
+
+
+def _plan_units(model: nn.Module) -> list[tuple[list[nn.Module], bool]]:
+    plan = dict(getattr(model, MODEL_FSDP_PLAN, None) or {})
+    names = {m: n for n, m in model.named_modules()}
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if _tied(inputs, outputs) and inputs in names and outputs in names:  # one weight: wrapped once, with the
+        plan.pop(names[inputs], None)  # embedding, kept whole if the head was
+        if plan.pop(names[outputs], None) == "keep_full_weight":
+            plan[names[inputs]] = "keep_full_weight"
+    rules = [(name, style) for pattern, style in plan.items() for name in names.values() if matches(name, pattern)]
+    rules.sort(key=lambda rule: -rule[0].count("."))  # a submodule sharded before the module holding it
+    modules = dict(model.named_modules())
+    free = [([modules[name]], True) for name, style in rules if style != "keep_full_weight"]
+    keep = [modules[name] for name, style in rules if style == "keep_full_weight"]
+    tail = {id(m) for m in (inputs, outputs) if m is not None}
+    if len(keep) == 2 and any(id(m) in tail for m in keep) and any(names[m].split(".")[-1] == "norm" for m in keep):
+        return free + [(keep, False)]  # the final norm and the head, gathered together from forward to backward
+    return free + [([m], False) for m in keep]
+
+
+def _tied(inputs: nn.Module | None, outputs: nn.Module | None) -> bool:
+    return (isinstance(inputs, nn.Module) and isinstance(outputs, nn.Module)
+            and any(p is q for p in inputs.parameters() for q in outputs.parameters()))
+
+
 def _embedding_units(model: nn.Module) -> list[tuple[nn.Module, bool]]:
     """The input and output embeddings as units of their own (torchtitan's grouping), unless tied (one
     parameter, so both stay in the root): the input's is gathered for the first op of forward and again for
@@ -136,10 +177,8 @@ def _embedding_units(model: nn.Module) -> list[tuple[nn.Module, bool]]:
     between the two (``False``: no reshard after forward)."""
     inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    units = [(m, reshard) for m, reshard in ((inputs, True), (outputs, False)) if isinstance(m, nn.Module)]
-    if len(units) == 2 and any(p is q for p in inputs.parameters() for q in outputs.parameters()):
-        return []
-    return units
+    found = [(m, reshard) for m, reshard in ((inputs, True), (outputs, False)) if isinstance(m, nn.Module)]
+    return [] if _tied(inputs, outputs) else found
 
 
 def _lookup_only(module: nn.Module) -> bool:
