@@ -135,8 +135,9 @@ def units(model: nn.Module) -> list[tuple[list[nn.Module], bool]]:
     """The FSDP2 units of ``model`` before its root, as (modules sharded together, reshard after forward), in the
     order they are sharded: transformers' FSDP plan of the model (``fsdp_plan``: its class's and its config's
     ``base_model_fsdp_plan``, decoder layers and embeddings ``free_full_weight``, the final norm and output
-    projection ``keep_full_weight``), resolved as transformers resolves it (tied embeddings: one unit; the final
-    norm and the output projection one unit; deeper modules first), so the model's FSDP2 units are transformers' own.
+    projection ``keep_full_weight``), resolved as transformers resolves it (the final norm and the output projection
+    one unit; deeper modules first), so the model's FSDP2 units are transformers' own; but tied input and output
+    embeddings, one parameter, stay in the root unit.
     Without a plan that names every decoder layer: each decoder layer and the embeddings (torchtitan's grouping)."""
     found = _plan_units(model)
     covered = {id(m) for modules, _ in found for m in modules}
@@ -150,10 +151,9 @@ def _plan_units(model: nn.Module) -> list[tuple[list[nn.Module], bool]]:
     names = {m: n for n, m in model.named_modules()}
     inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if _tied(inputs, outputs) and inputs in names and outputs in names:  # one weight: wrapped once, with the
-        plan.pop(names[inputs], None)  # embedding, kept whole if the head was
-        if plan.pop(names[outputs], None) == "keep_full_weight":
-            plan[names[inputs]] = "keep_full_weight"
+    if _tied(inputs, outputs) and inputs in names and outputs in names:  # one weight: both stay in the root unit
+        plan.pop(names[inputs], None)  # (transformers wraps the embedding alone and ties the head to it again after
+        plan.pop(names[outputs], None)  # loading; a unit of its own here would part the two before the read)
     rules = [(name, style) for pattern, style in plan.items() for name in names.values() if matches(name, pattern)]
     rules.sort(key=lambda rule: -rule[0].count("."))  # a submodule sharded before the module holding it
     modules = dict(model.named_modules())
