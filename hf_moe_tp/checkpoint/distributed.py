@@ -30,7 +30,7 @@ from .._compat import is_strided_shard
 from ..parallel.boxes import strided
 from .files import DCP_FILE
 from .quantized import kept_scales
-from .saving import SaveError, SaveReport, _agree, _can_generate, _prepare_dir, _rank, remove_weight_files
+from .saving import SaveError, SaveReport, _agree, _rank, remove_weight_files, start_save
 
 
 def save_distributed(model: nn.Module, out_dir: str | os.PathLike) -> SaveReport:
@@ -48,17 +48,7 @@ def save_distributed(model: nn.Module, out_dir: str | os.PathLike) -> SaveReport
                         f"(keep_quantized=True) to {out}: its scale buffers are not transformers' format; save the "
                         "hub format (distributed_checkpoint=False), which writes the FP8 checkpoint back")
     writer = _rank() == 0
-    model.config.dtype = str(model.dtype).split(".")[1]  # transformers records these in the config it writes
-    model.config.architectures = [type(model).__name__]
-    tmp, error = None, None
-    if writer:
-        try:
-            tmp = _prepare_dir(out)
-            model.config.save_pretrained(tmp)
-            if _can_generate(model):
-                model.generation_config.save_pretrained(tmp)
-        except Exception as e:
-            error = e
+    tmp, error = start_save(model, out, writer)
     try:
         _agree(error, f"cannot save to {out}")
         where = [str(tmp)]

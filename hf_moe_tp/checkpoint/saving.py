@@ -111,21 +111,8 @@ def save_pretrained(
         filename_pattern=FILENAME_PATTERN,
         max_shard_size=max_shard_size,
     )
-    # transformers records these in the config it writes
-    model.config.dtype = str(model.dtype).split(".")[1]
-    model.config.architectures = [type(model).__name__]
-
-    tmp: Path | None = None
     installed: list[Path] = []
-    error: BaseException | None = None
-    if writer:
-        try:
-            tmp = _prepare_dir(out)
-            model.config.save_pretrained(tmp)
-            if _can_generate(model):
-                model.generation_config.save_pretrained(tmp)
-        except Exception as e:
-            error = e
+    tmp, error = start_save(model, out, writer)
     try:
         _agree(error, f"cannot save to {out}")
         show = progress if progress is not None else writer
@@ -540,6 +527,26 @@ class SafetensorsWriter:
 
 
 # ---- files and ranks -------------------------------------------------------------------------------------------
+
+
+def start_save(model: nn.Module, out: Path, writer: bool) -> tuple[Path | None, BaseException | None]:
+    """The config fields transformers records on a save set, and on the writing rank a hidden folder in ``out``
+    holding the config and generation config: (that folder, or the error to agree on)."""
+    model.config.dtype = str(model.dtype).split(".")[1]
+    model.config.architectures = [type(model).__name__]
+    if not writer:
+        return None, None
+    tmp = None
+    try:
+        tmp = _prepare_dir(out)
+        model.config.save_pretrained(tmp)
+        if _can_generate(model):
+            model.generation_config.save_pretrained(tmp)
+    except Exception as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return None, e
+    return tmp, None
 
 
 def _prepare_dir(out: Path) -> Path:
