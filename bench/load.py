@@ -174,6 +174,24 @@ def load_transformers(path: str) -> dict:
     return measure(load)
 
 
+def load_transformers_ep(path: str) -> dict:
+    """transformers' own loader with its expert parallelism over the TP ranks (``ep_size`` = the TP size): its
+    experts split too (its ``tp_plan="auto"`` leaves Mixtral's whole), the row that holds what hf_moe_tp holds."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from transformers.distributed import DistributedConfig
+
+    world = dist.get_world_size()
+
+    def load():
+        config = DistributedConfig(tp_size=world, ep_size=world)
+        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config)
+        return model, sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                          for p in model.parameters())
+
+    return measure(load)
+
+
 def load_dcp(path: str, dp: int = 1) -> dict:
     import json
 
@@ -276,6 +294,7 @@ LOADERS = {
     "hf_moe_tp": load_hf_moe_tp,
     "hf_moe_tp ep_size=TP": load_hf_moe_tp_ep,
     "transformers tp_plan=auto": load_transformers,
+    "transformers ep_size=TP": load_transformers_ep,
     "torch DCP (HF reader)": load_dcp,
     "copy floor (no model)": load_floor,
 }

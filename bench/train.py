@@ -25,6 +25,9 @@ and then timed in rotation:
   distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))`` with hf_moe_tp not installed: transformers' own
   TP styles and experts (``grouped_mm``), its own ``fully_shard`` plan. Its mesh is ``model._mesh_manager``, a
   ``(pp, dp_replicate, fsdp, tp)`` mesh; the data-parallel coordinate is that of its ``"fsdp"`` dimension.
+  transformers 5.25's Mixtral plan leaves the experts whole on every TP rank;
+- ``transformers fsdp2 x tp2 ep_size=2``: the same with ``ep_size=2`` (transformers' expert parallelism over the
+  TP ranks): its experts split too, so it holds what hf_moe_tp holds (the row to compare memory with).
 
 Both layouts put ranks (0, 1) and (2, 3) in the two TP groups; the ranks of one replica get the same rows, the
 two replicas the two halves of the global ``--batch`` x ``--seq`` batch (token ids fixed by seed; labels = ids).
@@ -84,6 +87,7 @@ from hf_moe_tp.runtime.launch import run_on_ranks
 
 WORLD, TP, DP = 4, 2, 2
 OURS, OURS_LP, NATIVE = "hf_moe_tp", "hf_moe_tp loss_parallel", "transformers fsdp2 x tp2"
+NATIVE_EP = "transformers fsdp2 x tp2 ep_size=2"  # its experts split too: the row of equal memory
 OURS_TRAINER = "hf_moe_tp Trainer.training_step"
 OURS_UNCOUNTED = "hf_moe_tp no expert-load counting"
 OURS_LORA, NATIVE_LORA = "hf_moe_tp lora", "transformers tp4 lora"
@@ -215,11 +219,13 @@ def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int, l
             models[OURS_TRAINER] = hf_moe_tp.from_pretrained(path, fsdp_size=DP, dtype=dtype)
         config = DistributedConfig(tp_size=TP, fsdp_size=DP)
         models[NATIVE] = AutoModelForCausalLM.from_pretrained(path, distributed_config=config, dtype=dtype)
+        config = DistributedConfig(tp_size=TP, fsdp_size=DP, ep_size=TP)
+        models[NATIVE_EP] = AutoModelForCausalLM.from_pretrained(path, distributed_config=config, dtype=dtype)
 
     def dp_coordinate(name: str, model) -> tuple[int, int]:
         if lora:  # plain TP: every rank the whole batch
             return 0, 1
-        mesh = model._mesh_manager.get_mesh("fsdp") if name == NATIVE else model.hf_moe_tp_dp_mesh
+        mesh = model._mesh_manager.get_mesh("fsdp") if name in (NATIVE, NATIVE_EP) else model.hf_moe_tp_dp_mesh
         assert mesh.ndim == 1
         return mesh.get_local_rank(), mesh.size()
 
@@ -234,7 +240,7 @@ def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int, l
         # one mesh for every parameter (hf_moe_tp): torch's clip_grad_norm_; two (transformers: the fsdp mesh
         # for what TP leaves whole, (fsdp, tp) for the rest; with PEFT, plain adapters beside DTensor ones):
         # torch's refuses them, so the per-mesh one
-        clip = torch.nn.utils.clip_grad_norm_ if name not in (NATIVE, NATIVE_LORA) else clip_grad_norm_per_mesh_
+        clip = clip_grad_norm_per_mesh_ if name in (NATIVE, NATIVE_EP, NATIVE_LORA) else torch.nn.utils.clip_grad_norm_
         history[name] = []
 
         stepper = trainer_step(model) if name == OURS_TRAINER else None
