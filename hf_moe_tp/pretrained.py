@@ -30,6 +30,7 @@ from .integrations.hf_arguments import Resolved, refuse, resolve
 from .integrations.switch import enable
 from .integrations.trainer import declare_layout
 from .parallel import plans
+from .parallel.balancing_loss import global_balancing_loss
 from .parallel.config import ParallelConfig, has_replicas
 from .parallel.expert_parallel import ExpertParallel
 from .parallel.experts import GroupedExperts
@@ -83,6 +84,7 @@ def from_pretrained(
     keep_quantized: bool = False,
     read_once: bool | None = None,
     expert_bias_update_rate: float | None = None,
+    balancing_loss: str = "global",
     parallel_config: ParallelConfig | None = None,
     **hf_kwargs: Any,
 ) -> PreTrainedModel:
@@ -153,11 +155,16 @@ def from_pretrained(
     (:func:`hf_moe_tp.parallel.load_balance.balance_experts`; DeepSeek-V3 used 0.001). Refused for a model without such
     a bias.
 
+    ``balancing_loss``: under data parallelism, the router balancing term (``outputs.aux_loss``, added to the loss
+    with ``output_router_logits``) is the one of the data-parallel global batch, as one process computes it
+    (``"global"``, default), or each replica's own micro-batch's (``"replica"``); under the Trainer neither is
+    multiplied by the replica count (:mod:`hf_moe_tp.parallel.balancing_loss`, docs/training.md).
+
     ``parallel_config``: the parallel keyword arguments above (``tp_plan``, the sizes, ``ep_dispatch``,
     ``loss_parallel``, the policies, ``timeout``, ``check_inputs``, ``read_once``, ``keep_quantized``,
-    ``expert_bias_update_rate``) as one :class:`~hf_moe_tp.ParallelConfig`, validated when it is made, also made
-    from transformers' ``DistributedConfig`` or accelerate's ``ParallelismConfig``; given with any of those
-    keywords off its default, it is refused naming both.
+    ``expert_bias_update_rate``, ``balancing_loss``) as one :class:`~hf_moe_tp.ParallelConfig`, validated when it
+    is made, also made from transformers' ``DistributedConfig`` or accelerate's ``ParallelismConfig``; given with
+    any of those keywords off its default, it is refused naming both.
 
     The steps, each a function of this module: :func:`resolve_arguments`, :func:`make_layout`,
     :func:`build_meta_model`, :func:`make_plan`, :func:`place`, :func:`read`, :func:`wrap`.
@@ -181,7 +188,8 @@ def from_pretrained(
     keywords = dict(tp_plan=tp_plan, ep_size=ep_size, fsdp_size=fsdp_size, dp_replicate_size=dp_replicate_size,
                     ep_dispatch=ep_dispatch, loss_parallel=loss_parallel, mp_policy=mp_policy,
                     offload_policy=offload_policy, timeout=timeout, check_inputs=check_inputs, read_once=read_once,
-                    keep_quantized=keep_quantized, expert_bias_update_rate=expert_bias_update_rate)
+                    keep_quantized=keep_quantized, expert_bias_update_rate=expert_bias_update_rate,
+                    balancing_loss=balancing_loss)
     refused: ValueError | None = None
     try:
         parallel = resolve_arguments(parallel_config, hf_kwargs, experts_column_major=experts_column_major, **keywords)
@@ -343,12 +351,13 @@ def read(model: nn.Module, args: Resolved, layout: Layout, parallel: ParallelCon
 
 def wrap(model: nn.Module, layout: Layout, parallel: ParallelConfig, timeout: float | None = None) -> None:
     """What a loaded ``model`` does beyond its forward: expert gradients divided under FSDP2, the expert-bias
-    update, ``save_pretrained``, its layout declared to the Trainer and accelerate, failed collectives explained,
-    and (last, so its hook runs first) the input check."""
+    update, the balancing term of the global batch, ``save_pretrained``, its layout declared to the Trainer and
+    accelerate, failed collectives explained, and (last, so its hook runs first) the input check."""
     if layout.dp is not None:
         divide_expert_gradients(model)
     if parallel.expert_bias_update_rate is not None:
         balance_experts(model, parallel.expert_bias_update_rate)
+    global_balancing_loss(model, parallel.balancing_loss)
     bind_save_pretrained(model)
     declare_layout(model, layout)  # to transformers' Trainer and accelerate
     explain_collective_failures(model, [layout.tp, layout.ep, layout.dp], timeout)

@@ -21,6 +21,9 @@ What the Trainer gets wrong for such models is mended here, for hf_moe_tp models
 - A layout whose data-parallel ranks would not average their gradients under the Trainer is refused.
 - Expert load: a callback first in the Trainer's list adds the MoE layers' balance to every training log
   (:func:`expert_load_callback`), so TensorBoard and the other ``report_to`` loggers show it.
+- The balancing loss: the Trainer multiplies the loss by its replica count (for its token-normalised
+  cross-entropy); the router balancing term enters the model's loss divided by it inside ``compute_loss``
+  (:mod:`hf_moe_tp.parallel.balancing_loss`), so it counts once.
 - Speed: a training step whose outputs nobody reads (``compute_loss`` returning the loss alone, with the
   model's own loss) keeps the logits split (:func:`hf_moe_tp.parallel.loss.loss_only`), skipping their all-gather.
 
@@ -29,6 +32,7 @@ On CPU processes accelerate refuses any ``ParallelismConfig``: :mod:`hf_moe_tp.i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import importlib.util
@@ -50,6 +54,7 @@ from .._compat import (
     TRAINER_LOAD_OPTIMIZER,
     TRAINER_SAVE_OPTIMIZER,
 )
+from ..parallel.balancing_loss import trainer_loss_scale
 from ..parallel.load_balance import STATE as EXPERT_LOAD_STATE
 from ..parallel.load_balance import expert_load, load_summary
 from ..parallel.loss import loss_only
@@ -289,13 +294,25 @@ def _gather_once_per_tp_group(trainer: Any, model: nn.Module) -> Callable | None
 
 
 def _compute_loss(trainer: Any, original, model: nn.Module, inputs: dict, return_outputs: bool = False,
-                  *args: Any, **kwargs: Any) -> Any:
+                  num_items_in_batch: Any = None, **kwargs: Any) -> Any:
     # Only the loss leaves this call unless the outputs are returned or a loss function or label smoother reads
     # the logits: the training step then needs no gather of the logits (hf_moe_tp.parallel.loss.loss_only).
-    if return_outputs or trainer.compute_loss_func is not None or trainer.label_smoother is not None:
-        return original(trainer, model, inputs, return_outputs, *args, **kwargs)
-    with loss_only():
-        return original(trainer, model, inputs, return_outputs, *args, **kwargs)
+    # The balancing term enters the loss divided by the multiplier the Trainer applies after the forward.
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(trainer_loss_scale(_loss_multiplier(trainer, num_items_in_batch)))
+        if not (return_outputs or trainer.compute_loss_func is not None or trainer.label_smoother is not None):
+            stack.enter_context(loss_only())
+        return original(trainer, model, inputs, return_outputs, num_items_in_batch, **kwargs)
+
+
+def _loss_multiplier(trainer: Any, num_items_in_batch: Any) -> int:
+    """What transformers' ``Trainer.compute_loss`` multiplies the model's loss by: its replica count where tokens
+    are averaged across devices (its own condition, read from transformers 5.25), else 1."""
+    args = trainer.args
+    if not (args.average_tokens_across_devices and (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func)
+            and num_items_in_batch is not None):
+        return 1
+    return trainer.accelerator.num_processes // trainer.get_tp_size() if args.n_gpu <= 1 else args.n_gpu
 
 
 def _evaluation_loop(trainer: Any, original, *args: Any, **kwargs: Any) -> Any:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 EP_DISPATCH = ("auto", "all_to_all", "all_reduce")
 
 # DistributedConfig fields and the values we take; any other value is refused by name.
+BALANCING_SCOPES = ("global", "replica")  # hf_moe_tp.parallel.balancing_loss
 SUPPORTED_DEFAULTS = {"enable_sequence_parallel": False, "pp_size": 1, "fsdp_plan": None, "ep_plan": None}
 DISTRIBUTED_HANDLED = ("tp_size", "tp_plan", "fsdp_size", "dp_replicate_size", "fsdp_cpu_offload",
                        "fsdp_mixed_precision", "ep_size", "enable_expert_parallel", "ep_implementation")
@@ -55,6 +56,7 @@ class ParallelConfig:
     read_once: bool | None = None
     keep_quantized: bool = False
     expert_bias_update_rate: float | None = None
+    balancing_loss: str = "global"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -89,6 +91,8 @@ class ParallelConfig:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         if self.check_inputs is not None:  # the environment variable's mode is checked at load time
             check_mode(self.check_inputs)
+        if self.balancing_loss not in BALANCING_SCOPES:
+            raise ValueError(f"balancing_loss={self.balancing_loss!r} must be one of {BALANCING_SCOPES}")
         rate = self.expert_bias_update_rate
         if rate is not None and not (_is_number(rate) and rate > 0):
             raise ValueError(f"expert_bias_update_rate must be positive, got {rate}")

@@ -115,6 +115,17 @@ def data_parallel_rank(model) -> tuple[int, int]:
     return coordinate[0] * dp.size(1) + coordinate[1], dp.size()
 
 
+def data_parallel_groups(model) -> tuple:
+    """The process groups over which a loaded ``model``'s ranks hold different batches (those of
+    :func:`data_parallel_rank`): the data-parallel mesh's (two under HSDP: replicate, then shard), an
+    ``(ep, tp)`` mesh's ep group, or none."""
+    dp = getattr(model, "hf_moe_tp_dp_mesh", None)
+    if dp is None:
+        ep = getattr(model, "hf_moe_tp_ep_mesh", None)
+        return (ep["ep"].get_group(),) if ep is not None and ep["ep"].size() > 1 else ()
+    return tuple(dp.get_group(i) for i in range(dp.ndim) if dp.size(i) > 1)
+
+
 def _data_parallel_mesh(ep_size: int | None, fsdp_size: int, dp_replicate_size: int) -> DeviceMesh:
     init_process_group()
     world = dist.get_world_size()
