@@ -40,6 +40,7 @@ from .parallel.input_check import check_inputs_on, check_mode
 from .parallel.load_balance import balance_experts
 from .parallel.meshes import Layout, init_process_group, mesh_device, resolve_layout
 from .parallel.randomness import generate_on_leader_state, same_draws_in_training
+from .parallel.resize import bind_resize
 from .runtime import agreement
 from .runtime.timeouts import DEFAULT_TIMEOUT_S, explain_collective_failures, set_timeout
 
@@ -351,14 +352,16 @@ def read(model: nn.Module, args: Resolved, layout: Layout, parallel: ParallelCon
 
 def wrap(model: nn.Module, layout: Layout, parallel: ParallelConfig, timeout: float | None = None) -> None:
     """What a loaded ``model`` does beyond its forward: expert gradients divided under FSDP2, the expert-bias
-    update, the balancing term of the global batch, ``save_pretrained``, its layout declared to the Trainer and
-    accelerate, failed collectives explained, and (last, so its hook runs first) the input check."""
+    update, the balancing term of the global batch, ``save_pretrained``, ``resize_token_embeddings``, its layout
+    declared to the Trainer and accelerate, failed collectives explained, and (last, so its hook runs first) the
+    input check."""
     if layout.dp is not None:
         divide_expert_gradients(model)
     if parallel.expert_bias_update_rate is not None:
         balance_experts(model, parallel.expert_bias_update_rate)
     global_balancing_loss(model, parallel.balancing_loss)
     bind_save_pretrained(model)
+    bind_resize(model)
     declare_layout(model, layout)  # to transformers' Trainer and accelerate
     explain_collective_failures(model, [layout.tp, layout.ep, layout.dp], timeout)
     check_inputs_on(model, layout.tp, parallel.check_inputs)

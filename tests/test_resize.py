@@ -1,0 +1,115 @@
+"""``resize_token_embeddings`` on the loaded model (hf_moe_tp.parallel.resize), on 2 gloo ranks, against plain
+transformers' resize in one process with the same seed on rank 0 (the other rank seeded otherwise): growing to a
+vocabulary that divides by the TP size (split) and to one that does not (replicated), shrinking,
+``pad_to_multiple_of``, ``mean_resizing``, tied embeddings, at TP 2 and EP 2. Checked: the placements, the
+old-vocabulary logits unchanged, the new embeddings and output projection equal on every rank and to
+transformers' (exact), the logits (1e-5, relative to their largest where that exceeds 1), one training step's loss
+and gradients (1e-5) with a new token in the batch, and the resized model saved and read back by both loaders. Under FSDP2 the call is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from families import grad_errors, save_family
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from transformers import AutoModelForCausalLM
+
+import hf_moe_tp
+
+CASES = {  # from_pretrained arguments, resize arguments, the placement of the resized weights
+    "grow_split": (dict(), dict(new_num_tokens=136, mean_resizing=False), Shard(0)),
+    "grow_replicated_mean": (dict(), dict(new_num_tokens=131), Replicate()),
+    "shrink": (dict(), dict(new_num_tokens=120, mean_resizing=False), Shard(0)),
+    "pad_to_multiple": (dict(), dict(new_num_tokens=129, pad_to_multiple_of=16, mean_resizing=False), Shard(0)),
+    "ep_grow_mean": (dict(ep_size=2), dict(new_num_tokens=140), Shard(0)),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resize")
+    return {"untied": str(save_family("mixtral", root)), "tied": str(save_family("mixtral", root, tied=True))}
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max(1, max |want|): tied embeddings' logits reach ~10 here, untied ones ~1."""
+    return ((got - want).abs().max() / max(1.0, want.abs().max().item())).item()
+
+
+def _resize(path: str, kwargs: dict, resize: dict, out: str) -> dict:
+    model = hf_moe_tp.from_pretrained(path, **kwargs)
+    new = resize["new_num_tokens"]
+    old_vocab = model.config.vocab_size
+    ids = torch.randint(0, min(new, old_vocab), (2, 8), generator=torch.Generator().manual_seed(0))
+    before = model(ids).logits
+    torch.manual_seed(7 + 100 * dist.get_rank())  # rank 0 seeded as the reference; the others not
+    model.resize_token_embeddings(**resize)
+    after = model(ids).logits
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+    torch.manual_seed(7)
+    ref.resize_token_embeddings(**resize)
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    ref_emb, ref_head = ref.get_input_embeddings(), ref.get_output_embeddings()
+    count = ref_emb.weight.shape[0]
+    facts = {
+        "count": (emb.weight.shape[0], head.weight.shape[0], model.config.vocab_size, emb.num_embeddings, count),
+        "placements": (emb.weight.placements, head.weight.placements),
+        "tied": head.weight is emb.weight,
+        "old_logits": (after[..., :min(new, old_vocab)] - before[..., :min(new, old_vocab)]).abs().max().item(),
+        "embeddings": (_whole(emb.weight) - ref_emb.weight).abs().max().item(),
+        "head": (_whole(head.weight) - ref_head.weight).abs().max().item(),
+        "logits": _error(after, ref(ids).logits),
+    }
+    batch = torch.cat([ids, torch.full((2, 1), count - 1)], dim=1)  # the last new token, in the batch
+    model.train()
+    ref.train()
+    loss = model(batch, labels=batch).loss
+    loss.backward()
+    want = ref(batch, labels=batch).loss
+    want.backward()
+    facts["loss"] = (loss - want).abs().item()
+    facts["grad"] = max(grad_errors(model, ref).values())
+    model.eval()
+    model.save_pretrained(out)
+    again = hf_moe_tp.from_pretrained(out, **kwargs)
+    plain = AutoModelForCausalLM.from_pretrained(out, experts_implementation="eager") if dist.get_rank() == 0 else None
+    ours = again(batch).logits
+    facts["reloaded"] = _error(ours, model(batch).logits)
+    facts["plain_reloaded"] = _error(ours, plain(batch).logits) if plain is not None else 0.0
+    return facts
+
+
+@pytest.mark.parametrize("tied", ["untied", "tied"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_resize_matches_transformers(ranks, checkpoints, tmp_path, case, tied):
+    kwargs, resize, placement = CASES[case]
+    results = ranks(2).run(_resize, checkpoints[tied], kwargs, resize, str(tmp_path / "resized"))
+    count = results[0]["count"][-1]
+    for r in results:
+        assert r["count"] == (count,) * 5, r
+        if tied == "tied":  # tied embeddings stay whole on every rank (the plan keeps them so), and tied
+            assert r["tied"] and r["placements"] == ((Replicate(),),) * 2, r
+        else:
+            assert r["placements"] == ((placement,),) * 2, r
+        assert r["old_logits"] == 0.0 and r["embeddings"] == 0.0 and r["head"] == 0.0, r
+        assert r["logits"] <= 1e-5 and r["loss"] <= 1e-5 and r["grad"] <= 1e-5, r
+        assert r["reloaded"] <= 1e-5 and r["plain_reloaded"] <= 1e-5, r
+
+
+def _refused_under_fsdp(path: str) -> str:
+    model = hf_moe_tp.from_pretrained(path, fsdp_size=2)
+    try:
+        model.resize_token_embeddings(136)
+    except ValueError as e:
+        return str(e)
+    return "not refused"
+
+
+def test_refused_under_fsdp(ranks, checkpoints):
+    for message in ranks(2).run(_refused_under_fsdp, checkpoints["untied"]):
+        assert message.startswith("resize_token_embeddings on a model loaded with FSDP2"), message
