@@ -4,7 +4,8 @@ vocabulary that divides by the TP size (split) and to one that does not (replica
 ``pad_to_multiple_of``, ``mean_resizing``, tied embeddings, at TP 2 and EP 2. Checked: the placements, the
 old-vocabulary logits unchanged, the new embeddings and output projection equal on every rank and to
 transformers' (exact), the logits (1e-5, relative to their largest where that exceeds 1), one training step's loss
-and gradients (1e-5) with a new token in the batch, and the resized model saved and read back by both loaders. Under FSDP2 the call is refused by name."""
+and gradients (1e-5) with a new token in the batch, and the resized model saved and read back by both loaders.
+Under FSDP2 the call is refused by name."""
 
 from __future__ import annotations
 

@@ -197,8 +197,11 @@ def _converted_sources(model: nn.Module, converters: list[WeightConverter], targ
             if target not in targets:
                 continue
             dim = op.dim % len(targets[target].shape)
+            if op.num_shards_attribute is not None and len(pieces) != getattr(
+                    model.config.get_text_config(), op.num_shards_attribute, None):
+                continue  # not every piece in the checkpoint: left missing, refused by name
             at, srcs = 0, []
-            for _, name in sorted(pieces):
+            for _, name in sorted(pieces, key=_natural):  # shard_2 before shard_10
                 shape = tuple(shapes[name])
                 dims = tuple(Axis(i, at=at, size=shape[i]) if i == dim else Axis(i) for i in range(len(shape)))
                 srcs.append(Source(name, dims, shape))
@@ -229,18 +232,25 @@ def _converted_sources(model: nn.Module, converters: list[WeightConverter], targ
 def _readable(ops: list) -> bool:
     """Whether ``ops`` fuse or split tensors in a way a rank can read piece by piece: one ``Transpose`` (Ergo's
     router and shared expert, stored (in, out)), one ``Concatenate``, ``Split`` or ``Chunk`` (a fixed number of
-    pieces), or a ``Chunk``/``Split`` after an ``Interleave`` along the
-    same dim (Inkling's ``shared_w13_weight``: gate and up rows alternate in the checkpoint)."""
+    pieces; a ``Concatenate`` also of as many as a config field says: Qwen4-Exp's ngram embedding shards), or a
+    ``Chunk``/``Split`` after an ``Interleave`` along the same dim (Inkling's ``shared_w13_weight``: gate and up
+    rows alternate in the checkpoint)."""
     last = ops[-1] if ops else None
     if len(ops) == 1 and type(last) is Transpose:
         return True
-    if type(last) not in (Concatenate, Split, Chunk) or getattr(last, "num_shards_attribute", None) is not None:
+    if type(last) not in (Concatenate, Split, Chunk):
         return False
     if len(ops) == 1:
-        return True
+        return type(last) is Concatenate or last.num_shards_attribute is None
     first = ops[0]
     return (len(ops) == 2 and type(first) is Interleave and not first.inverse and type(last) is not Concatenate
             and first.dim == last.dim)
+
+
+def _natural(piece: tuple[int, str]) -> tuple:
+    """Sort key of a (source pattern index, checkpoint name) piece, numbers in the name compared as numbers."""
+    index, name = piece
+    return index, tuple((0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", name) if t)
 
 
 def _deinterleaved(start: int, size: int, n: int) -> tuple[int, int] | None:

@@ -371,6 +371,14 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
              for n, p in module.named_parameters(recurse=False) if p is not None]
     if local:
         swap_to_local(model, local)
+        # convolutions their parent calls functionally (``conv1d.weight`` in Mamba and gated-delta mixers): under
+        # FSDP2 the layer's unshard puts DTensors back after the root's swap, so the parent swaps them too
+        parents = dict(model.named_modules())
+        for name, module in model.named_modules():
+            if isinstance(module, nn.modules.conv._ConvNd) and "." in name:
+                convs = [(m, n) for m, n in local if m is module]
+                if convs:
+                    swap_to_local(parents[name.rpartition(".")[0]], convs)
         # transformers' generate runs the towers outside the model's forward (get_image_features): the same there
         for tower in towers(model).values():
             inside = {id(m) for m in tower.modules()}

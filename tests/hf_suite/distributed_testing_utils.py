@@ -1,11 +1,12 @@
 """What transformers' tester mixins import from ``.distributed_testing_utils``, a file their sdist does not ship.
 
-``run_distributed(world_size=N)(func)(*args)`` runs ``func(rank, *args)`` on N spawned ranks in a gloo (CPU) process
-group and raises here if any rank fails; ``_start_rank_processes(fn, args, nprocs)`` starts N processes running
-``fn(rank, *args)`` (the FSDP mixin sets its process group up itself) and waits. Every start has a deadline
+``run_distributed(world_size=N)(func)(*args)`` runs ``func(rank, *args)`` on N ranks (processes forked from a
+preloaded server) in a gloo (CPU) process group and raises here if any rank fails; ``_start_rank_processes(fn,
+args, nprocs)`` starts N processes running ``fn(rank, *args)`` (the FSDP mixin sets its process group up itself)
+and waits. Every start has a deadline
 (``HF_SUITE_TIMEOUT``, 600 s): a hung rank fails the test instead of the run.
 
-A spawned rank cannot import the mixin modules by name (they live in the sdist cache, registered by
+A rank cannot import the mixin modules by name (they live in the sdist cache, registered by
 :func:`.mixins.load_mixins`), so the function and its arguments travel pickled as bytes and the rank's entry point,
 :func:`_rank_main`, registers the same modules before unpickling them. In "hf_moe_tp" mode it calls
 ``hf_moe_tp.install()`` first.
@@ -13,8 +14,10 @@ A spawned rank cannot import the mixin modules by name (they live in the sdist c
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import pickle
 import signal
@@ -99,28 +102,20 @@ def _in_process_group(rank: int, func: Callable[..., Any], args: tuple, world_si
 
 
 def _start_rank_processes(fn: Callable[..., Any], args: tuple = (), nprocs: int = 1) -> None:
-    """Start ``nprocs`` spawned processes running ``fn(rank, *args)``, wait for all of them (at most
+    """Start ``nprocs`` processes running ``fn(rank, *args)``, wait for all of them (at most
     ``HF_SUITE_TIMEOUT`` seconds) and raise if one failed, with its error."""
     payload = pickle.dumps((fn, args))  # functions by module and name: the mixin modules must be registered here
     mixin_dir = str(Path(sys.modules[f"{__package__}.test_tensor_parallel_mixin"].__file__).parent)
     mode = suite_mode()
-    context = multiprocessing.get_context("spawn")
+    context = _context()
     with tempfile.TemporaryDirectory(prefix="hf_suite_") as errors:
         processes = [
             context.Process(target=_rank_main, args=(rank, mode, mixin_dir, payload, f"{errors}/{rank}"),
                             name=f"hf_suite_rank{rank}")
             for rank in range(nprocs)
         ]
-        saved = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"  # as torchrun does; a spawned rank takes the environment at start
-        try:
-            for process in processes:
-                process.start()
-        finally:
-            if saved is None:
-                del os.environ["OMP_NUM_THREADS"]
-            else:
-                os.environ["OMP_NUM_THREADS"] = saved
+        for process in processes:
+            process.start()
         try:
             first_failed = _wait(processes, start_timeout())
         finally:
@@ -133,6 +128,25 @@ def _start_rank_processes(fn: Callable[..., Any], args: tuple = (), nprocs: int 
             done = all(Path(errors, f"{r}.done").exists() for r in range(nprocs))
             error = ShutdownCrash if done and crashed else RuntimeError  # every body passed; a rank died exiting
             raise error(_failure(processes, first_failed, errors))
+
+
+@functools.cache
+def _context() -> multiprocessing.context.ForkServerContext:
+    """Ranks forked from one server that has imported torch, transformers and (in "hf_moe_tp" mode) hf_moe_tp: a
+    rank then starts in milliseconds instead of seconds of imports, which would be most of a test's time. The server
+    starts with ``OMP_NUM_THREADS=1``, as torchrun's ranks do: a rank takes the server's environment."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([f"{__package__}.preload"])
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    return context
 
 
 class ShutdownCrash(RuntimeError):
@@ -177,7 +191,7 @@ def _failure(processes: list[BaseProcess], rank: int, errors: str) -> str:
 
 
 def _rank_main(rank: int, mode: str, mixin_dir: str, payload: bytes, error_file: str) -> None:
-    """A spawned rank's entry point: hf_moe_tp.install() in "hf_moe_tp" mode, the mixin modules registered, then
+    """A rank's entry point: hf_moe_tp.install() in "hf_moe_tp" mode, the mixin modules registered, then
     ``fn(rank, *args)`` unpickled from ``payload``. An exception is written to ``error_file`` for the parent."""
     torch.set_num_threads(1)
     try:

@@ -37,9 +37,9 @@ def suite_mode() -> str:
 
 
 def suite_workers() -> int:
-    """``HF_SUITE_WORKERS`` (default 4): CPU ranks a test may start, whatever ``os.cpu_count()`` says; gloo ranks
+    """``HF_SUITE_WORKERS`` (default 8): CPU ranks a test may start, whatever ``os.cpu_count()`` says; gloo ranks
     oversubscribe cores fine, only slower."""
-    return int(os.environ.get("HF_SUITE_WORKERS", "4"))
+    return int(os.environ.get("HF_SUITE_WORKERS", "8"))
 
 
 def cache_dir(version: str = transformers.__version__) -> Path:
@@ -139,16 +139,21 @@ def configure(modules: dict[str, ModuleType], workers: int) -> None:
 
 
 def suite_class(family: str, modules: dict[str, ModuleType]) -> type[unittest.TestCase]:
-    """The family's TestCase: the three mixins on a tester of its tiny config, as transformers' model tests have."""
+    """The family's TestCase: the three mixins on a tester of its tiny config, as transformers' model tests have.
+    The FSDP mixin builds every model with ``AutoModelForCausalLM``: a family without a causal-LM class (GLM-4.5V,
+    a vision-language model) does not take it (on rank 0 it raises while rank 1 waits in a barrier: a hang)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     tester = ModelTester(family)
+    fsdp = tester.config_class.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     bases = (
         modules["test_tensor_parallel_mixin"].TensorParallelTesterMixin,
         modules["test_expert_parallel_mixin"].ExpertParallelTesterMixin,
-        modules["test_fsdp_mixin"].FSDPTesterMixin,
+        *([modules["test_fsdp_mixin"].FSDPTesterMixin] if fsdp else []),
         unittest.TestCase,
     )
     body = {"model_tester": property(lambda self: tester), "all_model_classes": tester.all_model_classes}
-    return type(f"{tester.family.prefix}ParallelTest", bases, body)
+    return type(f"{tester.config_class.__name__.removesuffix('Config')}ParallelTest", bases, body)
 
 
 def method_names(case: type[unittest.TestCase]) -> list[str]:
