@@ -32,6 +32,7 @@ from .integrations.trainer import declare_layout
 from .parallel import plans
 from .parallel.balancing_loss import global_balancing_loss
 from .parallel.config import ParallelConfig, has_replicas
+from .parallel.continuous_batching import refuse_continuous_batching
 from .parallel.expert_parallel import ExpertParallel
 from .parallel.experts import GroupedExperts
 from .parallel.fsdp import divide_expert_gradients, shard_data_parallel
@@ -362,6 +363,7 @@ def wrap(model: nn.Module, layout: Layout, parallel: ParallelConfig, timeout: fl
     global_balancing_loss(model, parallel.balancing_loss)
     bind_save_pretrained(model)
     bind_resize(model)
+    refuse_continuous_batching(model, dist.get_world_size() if dist.is_initialized() else 1)
     declare_layout(model, layout)  # to transformers' Trainer and accelerate
     explain_collective_failures(model, [layout.tp, layout.ep, layout.dp], timeout)
     check_inputs_on(model, layout.tp, parallel.check_inputs)
