@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 from collections.abc import Sequence
 
@@ -88,7 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if text is not None:
             print(text)
         # Only after success (as torchtitan does): a gloo group left to interpreter shutdown can abort the
-        # process ("terminate called without an active exception") with its worker threads still alive.
+        # process ("terminate called without an active exception") with its worker threads still alive. The
+        # model's hooks hold its meshes' groups in reference cycles: collected first, while the interpreter is whole.
+        gc.collect()
         dist.destroy_process_group()
         return 0
     print(generate_on_ranks(args.tp, *request))

@@ -7,6 +7,7 @@ a hang is cut off after ``timeout`` seconds (and the pool is restarted), never l
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import queue
@@ -193,4 +194,5 @@ def _worker(rank: int, world: int, port: int, tasks: Any, results: Any, threads:
             results.put((task_id, rank, True, value))
         except BaseException:
             results.put((task_id, rank, False, traceback.format_exc()))
+    gc.collect()  # models left in reference cycles (hooks) hold their meshes' groups: freed before the group goes
     dist.destroy_process_group()
