@@ -14,7 +14,9 @@ The first step is right (``lora_B`` starts at zero); every step after drifts, si
 goes through PEFT 0.21's ``add_lora_tp_hooks_dtensor``, which splits ``lora_B`` or ``lora_A`` the same way and
 sums no gradient of the replicated factor either: issue 21 measured its drift.)
 
-What: importing :mod:`hf_moe_tp` watches (torch's global module-registration hook) for PEFT tuners built on a
+What: once the integrations are switched on (the first :func:`hf_moe_tp.from_pretrained` or
+:func:`hf_moe_tp.apply_plan`, or :func:`hf_moe_tp.install`: :mod:`hf_moe_tp.integrations.switch`; importing
+:mod:`hf_moe_tp` changes nothing) a watch (torch's global module-registration hook) looks for PEFT tuners built on a
 model our plan parallelized, whatever builds them: ``peft.get_peft_model`` (which TRL's ``SFTTrainer`` calls),
 ``PeftModel.from_pretrained``, ``PeftModel.add_adapter``, ``inject_adapter_in_model``. Each LoRA layer PEFT
 makes there gets its adapters rebuilt at their whole shapes, drawn as PEFT's ``update_layer`` draws them
