@@ -105,10 +105,9 @@ def data_parallel_rank(model) -> tuple[int, int]:
     there are, on every layout: 0 of 1 at TP or EP over the TP ranks; the ``dp_shard`` coordinate under FSDP;
     ``replicate * shard_size + shard`` under HSDP (the data-parallel mesh is 2-D there); the ``ep`` coordinate on
     an ``(ep, tp)`` mesh, whose ep ranks hold different batches. Ranks of one TP group get the same index."""
-    dp = getattr(model, "hf_moe_tp_dp_mesh", None)
+    dp = _batch_mesh(model)
     if dp is None:
-        ep = getattr(model, "hf_moe_tp_ep_mesh", None)
-        return (ep.get_local_rank("ep"), ep["ep"].size()) if ep is not None else (0, 1)
+        return 0, 1
     coordinate = dp.get_coordinate()
     if dp.ndim == 1:
         return coordinate[0], dp.size()
@@ -119,11 +118,17 @@ def data_parallel_groups(model) -> tuple:
     """The process groups over which a loaded ``model``'s ranks hold different batches (those of
     :func:`data_parallel_rank`): the data-parallel mesh's (two under HSDP: replicate, then shard), an
     ``(ep, tp)`` mesh's ep group, or none."""
+    dp = _batch_mesh(model)
+    return () if dp is None else tuple(dp.get_group(i) for i in range(dp.ndim) if dp.size(i) > 1)
+
+
+def _batch_mesh(model) -> DeviceMesh | None:
+    """The mesh whose ranks hold different batches: the data-parallel mesh, else an ``(ep, tp)`` mesh's ep
+    dimension, else None."""
     dp = getattr(model, "hf_moe_tp_dp_mesh", None)
-    if dp is None:
-        ep = getattr(model, "hf_moe_tp_ep_mesh", None)
-        return (ep["ep"].get_group(),) if ep is not None and ep["ep"].size() > 1 else ()
-    return tuple(dp.get_group(i) for i in range(dp.ndim) if dp.size(i) > 1)
+    if dp is None and getattr(model, "hf_moe_tp_ep_mesh", None) is not None:
+        return model.hf_moe_tp_ep_mesh["ep"]
+    return dp
 
 
 def _data_parallel_mesh(ep_size: int | None, fsdp_size: int, dp_replicate_size: int) -> DeviceMesh:

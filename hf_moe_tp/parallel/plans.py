@@ -334,6 +334,9 @@ def resolve_plan(plan: dict[str, ParallelStyle | str]) -> dict[str, ParallelStyl
     return out
 
 
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)  # modules whose parent may call them functionally
+
+
 def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle | str],
                ep_mesh: DeviceMesh | None = None) -> nn.Module:
     """Apply ``plan`` (names or ``*`` patterns -> styles or style names), then replicate every parameter left
@@ -373,12 +376,10 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
         swap_to_local(model, local)
         # convolutions their parent calls functionally (``conv1d.weight`` in Mamba and gated-delta mixers): under
         # FSDP2 the layer's unshard puts DTensors back after the root's swap, so the parent swaps them too
-        parents = dict(model.named_modules())
         for name, module in model.named_modules():
-            if isinstance(module, nn.modules.conv._ConvNd) and "." in name:
-                convs = [(m, n) for m, n in local if m is module]
-                if convs:
-                    swap_to_local(parents[name.rpartition(".")[0]], convs)
+            convs = [(m, n) for m, n in local if m is module] if isinstance(module, CONVOLUTIONS) else []
+            if convs and "." in name:
+                swap_to_local(model.get_submodule(name.rpartition(".")[0]), convs)
         # transformers' generate runs the towers outside the model's forward (get_image_features): the same there
         for tower in towers(model).values():
             inside = {id(m) for m in tower.modules()}

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .linear import ColumnParallel
 from .styles import LocalParams, VocabParallelEmbedding
 
 OURS = ("hf_moe_tp.", "torch.distributed.tensor.")  # modules whose forward hooks a placement registers
@@ -112,17 +113,10 @@ def _place(module: nn.Module, tensors: dict[str, torch.Tensor], rows: int) -> No
     if mesh is None:  # never placed (a model of one process): plain parameters
         return
     style = getattr(module, STYLE, None)
-    splits = isinstance(style, VocabParallelEmbedding) or _splits_rows(style)
-    if style is None or (splits and rows % mesh.size()):
+    if style is None or (isinstance(style, VocabParallelEmbedding | ColumnParallel) and rows % mesh.size()):
         style = LocalParams(sum_grads=False)
     style._apply(module, mesh)
     setattr(module, STYLE, style)
-
-
-def _splits_rows(style: object) -> bool:
-    from .linear import ColumnParallel
-
-    return isinstance(style, ColumnParallel)
 
 
 def _drop_placement_hooks(module: nn.Module) -> None:
