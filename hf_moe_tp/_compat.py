@@ -55,6 +55,10 @@ PRIVATE: dict[str, Private] = {p.path: p for p in (
             "whether an expert class gates as transformers' default (else its own gate is used)"),
     Private("transformers", "transformers.distributed.parallel_utils:ALL_PARALLEL_STYLES._global_mapping",
             TRANSFORMERS, "uninstall() removes our style names from transformers' registry"),
+    Private("transformers", "transformers.modeling_utils:PreTrainedModel._get_resized_embeddings", TRANSFORMERS,
+            "resize_token_embeddings on our models runs transformers' own resize on gathered plain modules"),
+    Private("transformers", "transformers.modeling_utils:PreTrainedModel._get_resized_lm_head", TRANSFORMERS,
+            "the same for an untied output projection"),
     Private("transformers", "transformers.trainer:Trainer._save_optimizer_and_scheduler", TRANSFORMERS,
             "DCP checkpoints of our models' optimizer state (hf_moe_tp.integrations.trainer)"),
     Private("transformers", "transformers.trainer:Trainer._load_optimizer_and_scheduler", TRANSFORMERS,
@@ -102,6 +106,8 @@ ACCELERATE_VALIDATE = "_validate_accelerator"
 LORA_CREATE = "_create_and_replace"
 LORA_CHECK = "_check_new_adapter_config"
 LORA_UNLOAD = "_unload_and_optionally_merge"
+MODEL_RESIZED_EMBEDDINGS = "_get_resized_embeddings"  # transformers' resize steps, called on plain modules
+MODEL_RESIZED_HEAD = "_get_resized_lm_head"
 
 
 class MissingPrivate(ImportError):
@@ -228,3 +234,15 @@ def grouped_mm_kernel():
 def unregister_parallel_style(name: str) -> None:
     """Remove ``name`` from transformers' parallel-style registry."""
     resolve("transformers.distributed.parallel_utils:ALL_PARALLEL_STYLES._global_mapping").pop(name, None)
+
+
+def drop_forward_hooks(module, drop) -> None:
+    """Remove ``module``'s forward (pre-)hooks for which ``drop(hook)`` is true, with their kwargs / always-call
+    marks (torch keeps those in private dicts by the hook's handle id)."""
+    for table in (module._forward_pre_hooks, module._forward_hooks):
+        for key, hook in list(table.items()):
+            if drop(hook):
+                del table[key]
+                for extra in (module._forward_pre_hooks_with_kwargs, module._forward_hooks_with_kwargs,
+                              module._forward_hooks_always_called):
+                    extra.pop(key, None)

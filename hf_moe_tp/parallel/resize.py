@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .._compat import MODEL_RESIZED_EMBEDDINGS, MODEL_RESIZED_HEAD, drop_forward_hooks
 from .linear import ColumnParallel
 from .styles import LocalParams, VocabParallelEmbedding
 
@@ -48,11 +49,13 @@ def resize_token_embeddings(model: nn.Module, new_num_tokens: int | None = None,
     tied = head is not None and head.weight is embeddings.weight
     old = embeddings.weight.shape[0]
     plain = _plain_embedding(embeddings)
-    resized = type(model)._get_resized_embeddings(model, plain, new_num_tokens, pad_to_multiple_of, mean_resizing)
+    resized = getattr(type(model), MODEL_RESIZED_EMBEDDINGS)(model, plain, new_num_tokens, pad_to_multiple_of,
+                                                               mean_resizing)
     count = resized.weight.shape[0]
     weights = {"embeddings": _same_on_every_rank(resized.weight.data, old)}
     if head is not None and not tied:
-        new_head = type(model)._get_resized_lm_head(model, _plain_linear(head), count, mean_resizing=mean_resizing)
+        new_head = getattr(type(model), MODEL_RESIZED_HEAD)(model, _plain_linear(head), count,
+                                                             mean_resizing=mean_resizing)
         weights["head"] = _same_on_every_rank(new_head.weight.data, old)
         if new_head.bias is not None:
             weights["bias"] = _same_on_every_rank(new_head.bias.data, old)
@@ -122,10 +125,4 @@ def _place(module: nn.Module, tensors: dict[str, torch.Tensor], rows: int) -> No
 def _drop_placement_hooks(module: nn.Module) -> None:
     """Remove the forward hooks a placement registered on ``module`` (functions of hf_moe_tp or torch's tensor
     parallelism); others stay."""
-    for table in (module._forward_pre_hooks, module._forward_hooks):
-        for key, hook in list(table.items()):
-            if getattr(hook, "__module__", "").startswith(OURS):
-                del table[key]
-                for extra in (module._forward_pre_hooks_with_kwargs, module._forward_hooks_with_kwargs,
-                              module._forward_hooks_always_called):
-                    extra.pop(key, None)
+    drop_forward_hooks(module, lambda hook: getattr(hook, "__module__", "").startswith(OURS))
