@@ -12,6 +12,8 @@ decode is the difference, per new token after the first. Tokens per second count
 decoding (a static cache and ``torch.compile`` of each decode step's forward, ``CompileConfig`` forced onto CPU),
 compiled in the first round (not timed). The ranks run as under torchrun (``OMP_NUM_THREADS=1``) with glibc's
 default malloc: the headline; ``--pin-malloc`` raises its thresholds (bench/allocator.py) for a second column.
+``--batching PROMPTS`` instead times continuous batching (``generate_batch``, ours and transformers', against our
+padded ``generate``) on PROMPTS prompts of mixed lengths.
 """
 
 from __future__ import annotations
@@ -94,6 +96,49 @@ def bench_rank(path: str, dtype_name: str, batches: list[int], prompt: int, new:
     return out
 
 
+BATCHING = ("hf_moe_tp generate_batch", "transformers tp_plan=auto generate_batch", "hf_moe_tp padded generate")
+
+
+def batching_rank(path: str, dtype_name: str, prompts: int, prompt: int, new: int, repeats: int) -> dict:
+    """Continuous batching: ``prompts`` prompts of mixed lengths (``prompt / 4`` to ``2 * prompt`` tokens) through
+    our ``generate_batch``, transformers' ``tp_plan="auto"`` ``generate_batch`` (both with the same paged cache:
+    blocks of 32 tokens, enough for every request at once, 512 tokens per step) and our ``generate`` on the
+    left-padded batch, ``new`` greedy tokens each; tokens per second count generated tokens."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    dtype = getattr(torch, dtype_name)
+    models = {BATCHING[0]: load(VARIANTS[0], path, dtype).eval(), BATCHING[1]: load(VARIANTS[1], path, dtype).eval()}
+    rng = torch.Generator().manual_seed(0)
+    lengths = torch.randint(max(prompt // 4, 1), 2 * prompt + 1, (prompts,), generator=rng).tolist()
+    inputs = [torch.randint(1, 32000, (n,), generator=rng).tolist() for n in lengths]
+    generation = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)
+    blocks = prompts * -(-(max(lengths) + new) // 32)
+    batching = ContinuousBatchingConfig(num_blocks=blocks, block_size=32, max_batch_tokens=512)
+    width = max(lengths)
+    padded = torch.zeros(prompts, width, dtype=torch.long)
+    mask = torch.zeros_like(padded)
+    for i, ids in enumerate(inputs):  # left padding, as decoder-only generation wants it
+        padded[i, width - len(ids):], mask[i, width - len(ids):] = torch.tensor(ids), 1
+
+    def batch(name: str) -> list[list[int]]:
+        out = models[name].generate_batch(inputs, generation_config=generation, continuous_batching_config=batching)
+        return [list(out[k].generated_tokens) for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
+
+    def generate() -> list[list[int]]:
+        with torch.no_grad():
+            out = models[BATCHING[0]].generate(padded, attention_mask=mask, generation_config=generation)
+        return out[:, width:].tolist()
+
+    calls = {BATCHING[0]: lambda: batch(BATCHING[0]), BATCHING[1]: lambda: batch(BATCHING[1]), BATCHING[2]: generate}
+    tokens = {name: call() for name, call in calls.items()}
+    seconds = rotated_medians(calls, repeats)
+    reference = tokens[BATCHING[1]]
+    return {name: {"tok_s": prompts * new / seconds[name], "s": seconds[name],
+                   "same": sum(a == b for a, b in zip(tokens[name], reference, strict=True)) / prompts}
+            for name in calls}
+
+
 def profile_rank(path: str, dtype_name: str, prompt: int, steps: int, name: str) -> str:
     """torch.profiler over ``steps`` decode steps of one variant at batch 1: the ops by self CPU time, per step."""
     from torch.profiler import ProfilerActivity, profile
@@ -127,9 +172,26 @@ def main() -> None:
     p.add_argument("--profile", type=int, metavar="STEPS", help="instead: profile STEPS decode steps at batch 1")
     p.add_argument("--compile", action="store_true",
                    help="instead of the EP rows: both TP models also generating with transformers' compiled decoding")
+    p.add_argument("--batching", type=int, metavar="PROMPTS",
+                   help="instead: continuous batching (generate_batch) of PROMPTS prompts of mixed lengths against "
+                        "transformers' and against our padded generate")
     args = p.parse_args()
     malloc = user_env(args.pin_malloc)
     make_checkpoint(args.dir)
+    if args.batching:
+        print(f"{args.dir.name}, TP=2, {args.batching} prompts of {max(args.prompt // 4, 1)}-{2 * args.prompt} "
+              f"tokens, {args.new} new greedy tokens each, median of {args.repeats}, {malloc}")
+        for dtype in args.dtypes:
+            rows = run_on_ranks(batching_rank, 2, str(args.dir), dtype, args.batching, args.prompt, args.new,
+                                args.repeats, timeout=7200)[0]
+            print(f"\n{dtype}")
+            for name, r in rows.items():
+                print(f"  {name:<42} {r['tok_s']:7.1f} tok/s  {r['s']:7.2f} s  requests with transformers' "
+                      f"generate_batch tokens: {r['same']:.0%}")
+            ours = rows[BATCHING[0]]["tok_s"]
+            print(f"  ours / transformers generate_batch: {ours / rows[BATCHING[1]]['tok_s']:.2f}x tok/s; ours / our "
+                  f"padded generate: {ours / rows[BATCHING[2]]['tok_s']:.2f}x tok/s")
+        return
     if args.profile:
         for dtype in args.dtypes:
             for name in VARIANTS[:2]:

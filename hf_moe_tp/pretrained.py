@@ -32,7 +32,7 @@ from .integrations.trainer import declare_layout
 from .parallel import plans
 from .parallel.balancing_loss import global_balancing_loss
 from .parallel.config import ParallelConfig, has_replicas
-from .parallel.continuous_batching import refuse_continuous_batching
+from .parallel.continuous_batching import bind_continuous_batching
 from .parallel.expert_parallel import ExpertParallel
 from .parallel.experts import GroupedExperts
 from .parallel.fsdp import divide_expert_gradients, shard_data_parallel
@@ -353,9 +353,9 @@ def read(model: nn.Module, args: Resolved, layout: Layout, parallel: ParallelCon
 
 def wrap(model: nn.Module, layout: Layout, parallel: ParallelConfig, timeout: float | None = None) -> None:
     """What a loaded ``model`` does beyond its forward: expert gradients divided under FSDP2, the expert-bias
-    update, the balancing term of the global batch, ``save_pretrained``, ``resize_token_embeddings``, its layout
-    declared to the Trainer and accelerate, failed collectives explained, and (last, so its hook runs first) the
-    input check."""
+    update, the balancing term of the global batch, ``save_pretrained``, ``resize_token_embeddings``, continuous
+    batching, its layout declared to the Trainer and accelerate, failed collectives explained, and (last, so its
+    hook runs first) the input check."""
     if layout.dp is not None:
         divide_expert_gradients(model)
     if parallel.expert_bias_update_rate is not None:
@@ -363,7 +363,7 @@ def wrap(model: nn.Module, layout: Layout, parallel: ParallelConfig, timeout: fl
     global_balancing_loss(model, parallel.balancing_loss)
     bind_save_pretrained(model)
     bind_resize(model)
-    refuse_continuous_batching(model, dist.get_world_size() if dist.is_initialized() else 1)
+    bind_continuous_batching(model, layout, dist.get_world_size() if dist.is_initialized() else 1)
     declare_layout(model, layout)  # to transformers' Trainer and accelerate
     explain_collective_failures(model, [layout.tp, layout.ep, layout.dp], timeout)
     check_inputs_on(model, layout.tp, parallel.check_inputs)

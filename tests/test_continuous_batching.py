@@ -1,18 +1,69 @@
-"""transformers' continuous batching on a model split over ranks is refused by name on every rank (it returned
-empty generations: hf_moe_tp.parallel.continuous_batching), and plain ``generate`` still answers."""
+"""transformers' continuous batching (``generate_batch``, its paged cache and scheduler) on the split model
+(hf_moe_tp.parallel.continuous_batching): at TP and at EP over the TP ranks the tokens equal ``generate``'s and
+plain transformers' one-process ``generate_batch``, on every rank, sampled ones included; layouts whose ranks hold
+different batches are refused by name on every rank; the cache's memory is shared by the ranks of a device."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from families import save_family
 
 import hf_moe_tp
+from hf_moe_tp.parallel.continuous_batching import CPU_MEMORY_PERCENT, ranks_on_device, share_memory
+
+PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14]]
+NEW = 6
 
 
-def _generate_batch(path: str) -> tuple[str, list[int]]:
+def _configs(sample: bool):
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    generation = GenerationConfig(max_new_tokens=NEW, do_sample=sample, top_k=0, eos_token_id=None, pad_token_id=0)
+    # num_blocks / max_batch_tokens small: several scheduling steps, prompts split over them
+    batching = ContinuousBatchingConfig(num_blocks=16, block_size=16, max_batch_tokens=8, seed=7)
+    return generation, batching
+
+
+def _tokens(outputs: dict) -> dict[str, list[int]]:
+    return {k: list(v.generated_tokens) for k, v in sorted(outputs.items())}
+
+
+def _batch(model, sample: bool) -> dict[str, list[int]]:
+    generation, batching = _configs(sample)
+    return _tokens(model.generate_batch(PROMPTS, generation_config=generation, continuous_batching_config=batching))
+
+
+def _split(path: str, kwargs: dict) -> tuple[dict, dict, list[list[int]], int]:
+    model = hf_moe_tp.from_pretrained(path, check_inputs="always", **kwargs)
+    greedy, sampled = _batch(model, False), _batch(model, True)
+    generation, _ = _configs(False)
+    one_by_one = [model.generate(torch.tensor([p]), generation_config=generation)[0, len(p):].tolist()
+                  for p in PROMPTS]
+    return greedy, sampled, one_by_one, model._device_mesh.size()
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"ep_size": 2}], ids=["tp2", "ep2"])
+def test_generate_batch_at_tp_and_ep(ranks, tmp_path, kwargs):
+    from transformers import AutoModelForCausalLM
+
+    path = save_family("mixtral", tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    reference_greedy, reference_sampled = _batch(plain, False), _batch(plain, True)
+    results = ranks(2).run(_split, str(path), kwargs)
+    for greedy, sampled, one_by_one, mesh_size in results:
+        assert mesh_size == 2
+        assert all(len(tokens) == NEW for tokens in greedy.values()), greedy  # never an empty generation
+        assert greedy == reference_greedy, (greedy, reference_greedy)
+        assert list(greedy.values()) == one_by_one
+        assert sampled == reference_sampled == results[0][1], (sampled, reference_sampled)
+    assert reference_sampled != reference_greedy  # the sampled run did sample
+
+
+def _refused(path: str, kwargs: dict) -> tuple[str, list[int]]:
     from transformers import GenerationConfig
 
-    model = hf_moe_tp.from_pretrained(path)
+    model = hf_moe_tp.from_pretrained(path, **kwargs)
     config = GenerationConfig(max_new_tokens=3, do_sample=False)
     try:
         model.generate_batch([[1, 2, 3], [4, 5]], generation_config=config)
@@ -23,9 +74,33 @@ def _generate_batch(path: str) -> tuple[str, list[int]]:
     return refused, tokens[0].tolist()
 
 
-def test_generate_batch_refused_when_split(ranks, tmp_path):
-    results = ranks(2).run(_generate_batch, str(save_family("mixtral", tmp_path)))
+@pytest.mark.parametrize("kwargs, layout", [({"fsdp_size": 2}, "FSDP2 / HSDP over data-parallel ranks"),
+                                             ({"ep_size": 2, "fsdp_size": 2}, "an (ep, tp) mesh")],
+                         ids=["fsdp2", "ep2-over-data-parallel"])
+def test_refused_where_ranks_hold_different_batches(ranks, tmp_path, kwargs, layout):
+    results = ranks(2).run(_refused, str(save_family("mixtral", tmp_path)), kwargs)
     for refused, tokens in results:
         assert refused.startswith("continuous batching (generate_batch / init_continuous_batching) on an hf_moe_tp "
-                                  "model split over 2 ranks"), refused
-        assert len(tokens) == 6 and tokens == results[0][1], results
+                                  f"model laid out with {layout}: its ranks hold different batches"), refused
+        assert len(tokens) == 6
+
+
+def test_cache_memory_shared_by_the_ranks_of_a_device(monkeypatch):
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    cpu = torch.device("cpu")
+    asked = ContinuousBatchingConfig(num_blocks=None)
+    shared = share_memory(asked, None, cpu, 4)
+    assert shared.max_memory_percent == pytest.approx(CPU_MEMORY_PERCENT / 4)
+    assert asked.max_memory_percent is None  # the caller's config untouched
+    assert share_memory(None, GenerationConfig(), cpu, 2).max_memory_percent == pytest.approx(CPU_MEMORY_PERCENT / 2)
+    assert share_memory(asked, None, cpu, 1) is asked  # alone on the device: transformers' own default
+    explicit = ContinuousBatchingConfig(max_memory_percent=0.5)
+    assert share_memory(explicit, None, cpu, 4).max_memory_percent == 0.5  # the caller's fraction is kept
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert ranks_on_device(cpu) == 8
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert ranks_on_device(torch.device("cuda", 0)) == 1
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert ranks_on_device(torch.device("cuda", 0)) == 2
