@@ -114,7 +114,7 @@ def batching_rank(path: str, dtype_name: str, prompts: int, prompt: int, new: in
     generation = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
                                   pad_token_id=0)
     blocks = prompts * -(-(max(lengths) + new) // 32)
-    batching = ContinuousBatchingConfig(num_blocks=blocks, block_size=32, max_batch_tokens=512)
+    batching = ContinuousBatchingConfig(num_blocks=blocks, page_size=32, max_batch_tokens=512)
     width = max(lengths)
     padded = torch.zeros(prompts, width, dtype=torch.long)
     mask = torch.zeros_like(padded)

@@ -21,7 +21,7 @@ def _configs(sample: bool):
 
     generation = GenerationConfig(max_new_tokens=NEW, do_sample=sample, top_k=0, eos_token_id=None, pad_token_id=0)
     # num_blocks / max_batch_tokens small: several scheduling steps, prompts split over them
-    batching = ContinuousBatchingConfig(num_blocks=16, block_size=16, max_batch_tokens=8, seed=7)
+    batching = ContinuousBatchingConfig(num_blocks=16, page_size=16, max_batch_tokens=8, seed=7)
     return generation, batching
 
 
