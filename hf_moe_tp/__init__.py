@@ -5,8 +5,7 @@ torch nor transformers; ``from hf_moe_tp import from_pretrained`` imports what t
 
 Layout (each subpackage's ``__init__`` says what it owns and may import): ``runtime`` < ``parallel`` <
 ``checkpoint`` < ``integrations`` < ``cli``, with :mod:`.pretrained` above ``integrations`` and :mod:`._compat`
-(other libraries' private symbols) beside them all. The module paths before the subpackages
-(``hf_moe_tp.plans``, ...) still import, with a ``FutureWarning``, for one release (:mod:`._moved`).
+(other libraries' private symbols) beside them all.
 """
 
 from __future__ import annotations
@@ -14,13 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import _moved
 from ._lazy import submodule
-
-# The old module paths (hf_moe_tp.plans -> hf_moe_tp.parallel.plans, ...): a finder first on sys.meta_path
-# (once per process) that answers for those names under hf_moe_tp and returns None for every other import, so
-# it changes how no other package imports.
-_moved.install()
 
 # public name -> the module that defines it
 _EXPORTS = {
@@ -73,10 +66,6 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
-    if module is None and name in _moved.MOVED:  # an old module path (hf_moe_tp.loading): warns
-        value = _moved.load(name, stacklevel=2)
-        globals()[name] = value
-        return value
     if module is None:  # a subpackage (``hf_moe_tp.parallel``), as the eager package gave it after import
         return submodule(__name__, name)
     value = getattr(importlib.import_module(f".{module}", __name__), name)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +80,6 @@ def from_pretrained(
     offload_policy: OffloadPolicy | None = None,
     ep_dispatch: str | None = None,
     check_inputs: str | None = None,
-    experts_column_major: bool | None = None,
     timeout: float | None = None,
     keep_quantized: bool = False,
     read_once: bool | None = None,
@@ -127,9 +125,6 @@ def from_pretrained(
     (:mod:`hf_moe_tp.parallel.input_check`) on the ``"first"`` forward (default), on ``"always"`` every forward, or
     ``"never"``; ranks fed different inputs raise :class:`~hf_moe_tp.parallel.input_check.InputMismatchError` on every
     rank instead of computing silently wrong results (or aborting in a collective of mismatched sizes).
-
-    ``experts_column_major``: deprecated and without effect: expert weights are always stored in the
-    checkpoints' (out, in) memory order now (:class:`~hf_moe_tp.GroupedExperts`), FSDP2 included.
 
     ``timeout``: seconds that any collective of loading, forward or backward may wait before it fails (a rank
     that died or stopped calling forward), set on every process group the model uses. Without it, a process
@@ -194,7 +189,7 @@ def from_pretrained(
                     balancing_loss=balancing_loss)
     refused: ValueError | None = None
     try:
-        parallel = resolve_arguments(parallel_config, hf_kwargs, experts_column_major=experts_column_major, **keywords)
+        parallel = resolve_arguments(parallel_config, hf_kwargs, **keywords)
     except ValueError as e:  # raised below, after the group starts, as every other failure is
         parallel, refused = ParallelConfig(), e
     timeout = parallel.timeout
@@ -219,15 +214,11 @@ def from_pretrained(
     return model.eval()
 
 
-def resolve_arguments(parallel_config: ParallelConfig | None = None, hf_kwargs: dict[str, Any] | None = None, *,
-                      experts_column_major: bool | None = None, **keywords: Any) -> ParallelConfig:
+def resolve_arguments(parallel_config: ParallelConfig | None = None, hf_kwargs: dict[str, Any] | None = None,
+                      **keywords: Any) -> ParallelConfig:
     """The :class:`ParallelConfig` of a call: ``parallel_config``, or one made from ``keywords`` (from_pretrained's
     parallel keyword arguments); both at once (a keyword off its default) is refused naming each. Also refuses
-    ``keep_quantized`` with a ``quantization_config`` among ``hf_kwargs``, and warns of ``experts_column_major``."""
-    if experts_column_major is not None:
-        warnings.warn("from_pretrained(experts_column_major=...) is deprecated and has no effect: expert "
-                      "weights are always stored (E, out, in), the checkpoints' memory order, and FSDP2 shards "
-                      "them; drop the argument", FutureWarning, stacklevel=3)
+    ``keep_quantized`` with a ``quantization_config`` among ``hf_kwargs``."""
     if parallel_config is None:
         parallel = ParallelConfig(**keywords)
     elif not isinstance(parallel_config, ParallelConfig):

@@ -1,6 +1,5 @@
-"""The subpackage layout (issue 31): the old module paths still import for one release, with a FutureWarning, as
-the very module they moved to; the public names resolve; the core imports nothing from the layers above it.
-In one process, no ranks."""
+"""The subpackage layout: the public names resolve, ``import hf_moe_tp`` stays light, and the core imports
+nothing from the layers above it. In one process, no ranks."""
 
 from __future__ import annotations
 
@@ -8,16 +7,13 @@ import ast
 import importlib
 import importlib.util
 import inspect
-import re
 import subprocess
 import sys
 from pathlib import Path
-from unittest import mock
 
 import pytest
 
 import hf_moe_tp
-from hf_moe_tp import _moved
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hf_moe_tp"
@@ -29,89 +25,6 @@ ABOVE = {
     "checkpoint": ("integrations", "pretrained", "cli"),
     "integrations": ("cli",),  # (install routes transformers' loader to hf_moe_tp.pretrained: allowed upwards)
 }
-
-
-def _forget(old: str) -> None:
-    """As if the old path had never been imported in this process."""
-    sys.modules.pop(f"hf_moe_tp.{old}", None)
-    vars(hf_moe_tp).pop(old, None)  # (``install``: the public function is resolved again on next use)
-
-
-@pytest.fixture
-def forget():
-    olds = []
-    yield olds.append
-    for old in olds:
-        _forget(old)
-
-
-@pytest.mark.parametrize("old", sorted(_moved.MOVED))
-def test_old_path_warns_and_is_the_new_module(old, forget):
-    new = _moved.MOVED[old]
-    module = importlib.import_module(new)
-    forget(old)
-    _forget(old)
-    with pytest.warns(FutureWarning, match=re.escape(f"hf_moe_tp.{old} moved to {new}")):
-        got = importlib.import_module(f"hf_moe_tp.{old}")
-    assert got is module and sys.modules[f"hf_moe_tp.{old}"] is module
-    assert module.__name__ == new and module.__spec__.name == new  # the module itself is left as it was
-    assert not (PACKAGE / f"{old}.py").exists()
-
-
-@pytest.mark.parametrize("old", sorted(set(_moved.MOVED) - set(hf_moe_tp._EXPORTS)))
-def test_old_path_as_an_attribute_and_in_from_imports(old, forget):
-    module = importlib.import_module(_moved.MOVED[old])
-    forget(old)
-    _forget(old)
-    with pytest.warns(FutureWarning, match=re.escape(f"hf_moe_tp.{old} moved to")):
-        assert getattr(hf_moe_tp, old) is module
-    _forget(old)
-    with pytest.warns(FutureWarning, match=re.escape(f"hf_moe_tp.{old} moved to")):
-        exec(f"from hf_moe_tp import {old} as got", namespace := {})
-    assert namespace["got"] is module
-
-
-def test_a_patch_through_the_old_path_patches_the_module(forget):
-    from hf_moe_tp.parallel import plans
-
-    forget("plans")
-    _forget("plans")
-    with pytest.warns(FutureWarning), mock.patch("hf_moe_tp.plans.track_expert_load", "patched"):
-        assert plans.track_expert_load == "patched"
-    assert plans.track_expert_load != "patched"
-
-
-def test_the_public_name_install_stays_the_function():
-    assert callable(hf_moe_tp.install) and hf_moe_tp.install.__module__ == "hf_moe_tp.integrations.install"
-
-
-def test_checkpoint_and_cli_are_the_packages_and_give_what_the_old_modules_did():
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        from hf_moe_tp.checkpoint import INDEX_FILE, SINGLE_FILE, ST_DTYPES, Checkpoint, CheckpointError, TensorInfo
-        from hf_moe_tp.cli import main
-    from hf_moe_tp.checkpoint import files
-
-    assert (Checkpoint, CheckpointError, TensorInfo) == (files.Checkpoint, files.CheckpointError, files.TensorInfo)
-    assert (INDEX_FILE, SINGLE_FILE, ST_DTYPES) == (files.INDEX_FILE, files.SINGLE_FILE, files.ST_DTYPES)
-    assert main.__module__ == "hf_moe_tp.cli.main" and "checkpoint" not in _moved.MOVED and "cli" not in _moved.MOVED
-
-
-def test_the_finder_answers_for_the_old_names_alone_and_is_installed_once():
-    finder = _moved.MovedFinder()
-    assert finder.find_spec("hf_moe_tp.plans") is not None
-    for name in ("hf_moe_tp.parallel.plans", "hf_moe_tp.nothing", "plans", "other.plans", "hf_moe_tp.parallel.x"):
-        assert finder.find_spec(name) is None, name
-    _moved.install()
-    _moved.install()
-    assert sum(getattr(f, "hf_moe_tp_moved", False) for f in sys.meta_path) == 1
-
-
-def test_every_new_path_in_the_table_is_a_module():
-    for new in _moved.MOVED.values():
-        assert importlib.util.find_spec(new) is not None, new
 
 
 def test_public_names_resolve():

@@ -222,8 +222,6 @@ def test_resolve_arguments():
         pretrained.resolve_arguments({"fsdp_size": 2}, {})
     with pytest.raises(ValueError, match="keep_quantized=True with quantization_config"):
         pretrained.resolve_arguments(ParallelConfig(keep_quantized=True), {"quantization_config": object()})
-    with pytest.warns(FutureWarning, match=r"experts_column_major=\.\.\.\) is deprecated"):
-        pretrained.resolve_arguments(None, {}, experts_column_major=True)
 
 
 def test_from_pretrained_refuses_config_and_keyword(world, mixtral):

@@ -450,26 +450,22 @@ def test_users_own_fully_shard(ranks, checkpoints):
     check(ranks(4).run(_users_own_fully_shard, checkpoints("mixtral")))
 
 
-def _column_major(path: str) -> dict:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = hf_moe_tp.from_pretrained(path, experts_column_major=True, fsdp_size=2)
+def _memory_order(path: str) -> dict:
+    model = hf_moe_tp.from_pretrained(path, fsdp_size=2)
     ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
     ids = batches(model.config.vocab_size, 1)[0]
     with torch.no_grad():
         diff = (model(ids).logits - ref(ids).logits).abs().max().item()
     experts = model.model.layers[0].mlp.experts
     return {"diff": diff, "contiguous": experts.gate_up_proj.to_local().is_contiguous(),
-            "view_strides": experts.w1.to_local().stride(1) == 1,
-            "warned": [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]}
+            "view_strides": experts.w1.to_local().stride(1) == 1}
 
 
-def test_experts_column_major_deprecated(ranks, checkpoints):
-    """experts_column_major (the old opt-in to the checkpoints' memory order, refused with FSDP2) is what every
-    model has now: the argument warns that it is deprecated, and the model, with FSDP2, matches transformers."""
-    for r in ranks(4).run(_column_major, checkpoints("mixtral")):
+def test_fsdp2_experts_in_the_checkpoints_memory_order(ranks, checkpoints):
+    """Expert weights stay in the checkpoints' (E, out, in) memory order under FSDP2 (contiguous shards, the
+    ``w1`` view a transpose of them), and the model matches transformers."""
+    for r in ranks(4).run(_memory_order, checkpoints("mixtral")):
         assert r["diff"] <= TOL and r["contiguous"] and r["view_strides"], r
-        assert any("experts_column_major=...) is deprecated" in w for w in r["warned"]), r
 
 
 def _inference_after_fsdp(path: str) -> dict:

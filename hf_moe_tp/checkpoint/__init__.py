@@ -4,7 +4,7 @@ format (:mod:`.saving`), quantized checkpoints read dequantized (:mod:`.quantize
 
 Layering (runtime < parallel < checkpoint < integrations < cli; ``hf_moe_tp.pretrained`` above integrations): it may
 import :mod:`hf_moe_tp.runtime`, :mod:`hf_moe_tp.parallel`, :mod:`hf_moe_tp._compat` and ``model_patches``, never
-``integrations``, ``cli`` or ``pretrained``, not even inside a function (tests/test_moved.py checks).
+``integrations``, ``cli`` or ``pretrained``, not even inside a function (tests/test_layering.py checks).
 
 ``hf_moe_tp.checkpoint`` was one module before the subpackages; what it defined (:class:`Checkpoint`,
 :class:`CheckpointError`, ...) is read from :mod:`.files` on first use, so ``from hf_moe_tp.checkpoint import

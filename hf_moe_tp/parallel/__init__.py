@@ -4,7 +4,7 @@ randomness, the multimodal towers, expert-load counters and the input check.
 
 Layering (runtime < parallel < checkpoint < integrations < cli; ``hf_moe_tp.pretrained`` above integrations): it may
 import :mod:`hf_moe_tp.runtime` and :mod:`hf_moe_tp._compat` (and ``model_patches``, for the family adapters), never
-``checkpoint``, ``integrations``, ``cli`` or ``pretrained``, not even inside a function (tests/test_moved.py checks).
+``checkpoint``, ``integrations``, ``cli`` or ``pretrained``, not even inside a function (tests/test_layering.py checks).
 This ``__init__`` imports nothing until a submodule is asked for.
 """
 
