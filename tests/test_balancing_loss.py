@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from families import grad_errors, save_family
-from test_trainer import Rows, _fresh_accelerate, arguments, word_tokenizer
+from trainers import Rows, arguments, fresh_accelerate, word_tokenizer
 from transformers import AutoModelForCausalLM, Trainer
 
 import hf_moe_tp
@@ -94,7 +94,7 @@ def fit(model, out: str, trainer: str, batch: int, accumulation: int = 1) -> dic
 
 
 def _fit_on_ranks(path: str, kwargs: dict, out: str, trainer: str, accumulation: int) -> dict:
-    _fresh_accelerate()
+    fresh_accelerate()
     model = hf_moe_tp.from_pretrained(path, output_router_logits=True, router_aux_loss_coef=COEF, **kwargs)
     return fit(model, out, trainer, PER_DEVICE, accumulation)
 
@@ -118,7 +118,7 @@ def test_trainers_match_one_process(ranks, mixtral, tmp_path, case):
     try:
         ref = fit(model, str(tmp_path / "reference"), trainer, 2 * PER_DEVICE, accumulation)
     finally:
-        _fresh_accelerate()
+        fresh_accelerate()
     for r in ranks(4).run(_fit_on_ranks, mixtral, kwargs, str(tmp_path / "ranks"), trainer, accumulation):
         assert len(r["loss"]) == len(ref["loss"]) == 3, (r, ref)
         assert np.allclose(r["loss"], ref["loss"], rtol=0, atol=TOL), (r["loss"], ref["loss"])

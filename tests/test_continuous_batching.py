@@ -95,8 +95,9 @@ def test_cache_memory_shared_by_the_ranks_of_a_device(monkeypatch):
     assert asked.max_memory_percent is None  # the caller's config untouched
     assert share_memory(None, GenerationConfig(), cpu, 2).max_memory_percent == pytest.approx(CPU_MEMORY_PERCENT / 2)
     assert share_memory(asked, None, cpu, 1) is asked  # alone on the device: transformers' own default
-    explicit = ContinuousBatchingConfig(max_memory_percent=0.5)
-    assert share_memory(explicit, None, cpu, 4).max_memory_percent == 0.5  # the caller's fraction is kept
+    explicit = ContinuousBatchingConfig(max_memory_percent=0.5)  # TRL's GRPO sets this: of the rank's share
+    assert share_memory(explicit, None, cpu, 4).max_memory_percent == pytest.approx(0.125)
+    assert explicit.max_memory_percent == 0.5
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert ranks_on_device(cpu) == 8

@@ -14,33 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from families import save_family
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from trainers import PER_DEVICE, Rows, arguments, fresh_accelerate, word_tokenizer
+from transformers import AutoModelForCausalLM, Trainer
 
 import hf_moe_tp
 from hf_moe_tp.integrations import trainer as glue
 
 TOL = 1e-4
-PER_DEVICE = 2
-
-
-class Rows(torch.utils.data.Dataset):
-    """``n`` random token rows, each its own labels."""
-
-    def __init__(self, n: int, vocab: int = 128, seed: int = 0) -> None:
-        self.ids = torch.randint(0, vocab, (n, 12), generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-def arguments(out: str, batch: int = PER_DEVICE, **overrides) -> TrainingArguments:
-    settings = dict(output_dir=out, use_cpu=True, per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
-                    max_steps=3, logging_steps=1, save_strategy="no", report_to=[], learning_rate=1e-2, seed=0,
-                    disable_tqdm=True)
-    return TrainingArguments(**{**settings, **overrides})
 
 
 def fit(model, out: str, batch: int = PER_DEVICE, **overrides) -> dict:
@@ -60,13 +40,6 @@ def fit(model, out: str, batch: int = PER_DEVICE, **overrides) -> dict:
             "split_loss": getattr(model, "hf_moe_tp_split_loss", False)}
 
 
-def _fresh_accelerate() -> None:
-    """A Trainer makes accelerate's process-wide state; the pool's ranks run one Trainer after another."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
     return str(save_family("mixtral", tmp_path_factory.mktemp("trainer")))
@@ -84,7 +57,7 @@ def reference(mixtral, tmp_path_factory):
             try:
                 made[batch, accumulation] = fit(model, out, batch, gradient_accumulation_steps=accumulation)
             finally:
-                _fresh_accelerate()
+                fresh_accelerate()
         return made[batch, accumulation]
 
     return get
@@ -95,7 +68,7 @@ def _fit_on_ranks(path: str, kwargs: dict, out: str, accumulation: int) -> dict:
     integrations install() switched on stay on until the fit is done (uninstall() switches them all off)."""
     from transformers.distributed import DistributedConfig
 
-    _fresh_accelerate()
+    fresh_accelerate()
     fields = kwargs.pop("distributed_config", None)
     if not fields:
         return fit(hf_moe_tp.from_pretrained(path, **kwargs), out, gradient_accumulation_steps=accumulation)
@@ -137,7 +110,7 @@ def test_trainer_matches_one_process(ranks, mixtral, reference, tmp_path, layout
 
 def _checkpointed(path: str, out: str, resume: str | None) -> dict:
     """4 steps at (dp 2 x tp 2), a checkpoint every 2; resumed from ``resume`` in a fresh model and Trainer."""
-    _fresh_accelerate()
+    fresh_accelerate()
     model = hf_moe_tp.from_pretrained(path, fsdp_size=2)
     trainer = Trainer(model=model, args=arguments(out, max_steps=4, save_strategy="steps", save_steps=2),
                       train_dataset=Rows(16))
@@ -173,7 +146,7 @@ def test_checkpoints_resume_and_save_model(ranks, mixtral, tmp_path):
 def _best_at_end(path: str, out: str) -> dict:
     """4 steps at TP=2 with an evaluation and a checkpoint every 2, the best (here: the highest evaluation
     loss, which is step 2's) loaded at the end."""
-    _fresh_accelerate()
+    fresh_accelerate()
     model = hf_moe_tp.from_pretrained(path)
     args = arguments(out, max_steps=4, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
                      load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True)
@@ -200,7 +173,7 @@ def test_load_best_model_at_end(ranks, mixtral, tmp_path):
 def _refused_layout(path: str) -> str:
     from torch.distributed.device_mesh import init_device_mesh
 
-    _fresh_accelerate()
+    fresh_accelerate()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
     model = hf_moe_tp.from_pretrained(path, device_mesh=mesh)
     with pytest.raises(ValueError) as e:
@@ -216,7 +189,7 @@ def test_layout_without_gradient_averaging_refused(ranks, mixtral):
 
 
 def _refused_fsdp_argument(path: str, out: str) -> str:
-    _fresh_accelerate()
+    fresh_accelerate()
     model = hf_moe_tp.from_pretrained(path)
     with pytest.raises(ValueError) as e:
         Trainer(model=model, args=arguments(out, fsdp="full_shard"), train_dataset=Rows(16))
@@ -250,7 +223,7 @@ def test_shims_still_needed(mixtral, tmp_path):
         with pytest.raises(ValueError, match="Resuming is not supported"):
             Trainer(model=model, args=args)
     finally:
-        _fresh_accelerate()
+        fresh_accelerate()
     assert not args.save_only_model
 
 
@@ -308,16 +281,6 @@ def test_accelerate_launch_training_loop(mixtral):
 LORA = dict(r=4, target_modules=["q_proj", "v_proj", "o_proj"], lora_dropout=0.0)
 
 
-def word_tokenizer(vocab: int = 128):
-    """A tokenizer for the tiny models' ids ("t0" ... "t127"), made here: TRL's SFTTrainer wants one."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", pad_token="t0", unk_token="t0")
-
-
 def fit_lora(model, out: str, trainer: str) -> dict:
     """LoRA on attention (column- and row-wise layers) through the Trainer (get_peft_model first) or TRL's
     SFTTrainer (given the peft_config), adapters drawn from seed 5; every logged loss and gradient norm."""
@@ -343,7 +306,7 @@ def fit_lora(model, out: str, trainer: str) -> dict:
 
 
 def _fit_lora_on_ranks(path: str, out: str, trainer: str) -> dict:
-    _fresh_accelerate()
+    fresh_accelerate()
     return fit_lora(hf_moe_tp.from_pretrained(path), out, trainer)
 
 
@@ -355,7 +318,7 @@ def test_lora_with_the_trainer(ranks, mixtral, tmp_path, trainer):
     try:
         ref = fit_lora(model, str(tmp_path / "reference"), trainer)
     finally:
-        _fresh_accelerate()
+        fresh_accelerate()
     for r in ranks(2).run(_fit_lora_on_ranks, mixtral, str(tmp_path / "tp"), trainer):
         assert len(r["loss"]) == 4, r
         assert np.allclose(r["loss"], ref["loss"], rtol=0, atol=TOL), (r, ref)

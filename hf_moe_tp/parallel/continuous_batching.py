@@ -12,10 +12,11 @@ Two things are ours:
 - **Layouts whose ranks hold different batches** (FSDP2 or HSDP over data-parallel ranks, an ``(ep, tp)`` mesh)
   are refused by name: each data-parallel rank would schedule its own requests while FSDP's and EP's collectives
   need every rank in the same forward (transformers refuses FSDP for the same reason).
-- **Memory shared by ranks.** Without ``num_blocks`` / ``max_batch_tokens`` transformers sizes the cache from
-  the free memory of the device as if the rank were alone on it; ranks that share one device (every rank of a
-  CPU host, several ranks per GPU) would each claim it. Unless the caller sets ``max_memory_percent``, each rank
-  takes its share: transformers' default fraction divided by the ranks on the device.
+- **Memory shared by ranks.** transformers sizes the cache (unless ``num_blocks`` and ``max_batch_tokens`` fix it)
+  as ``max_memory_percent`` of the device's free memory, as if the rank were alone on it; ranks that share one
+  device (every rank of a CPU host, several ranks per GPU) would each claim that much (two CPU ranks under TRL's
+  GRPO default of 0.5 were killed for memory). So on a shared device the fraction, transformers' default or the
+  caller's, is of the rank's share: divided by the ranks on the device.
 """
 
 from __future__ import annotations
@@ -63,17 +64,19 @@ def bind_continuous_batching(model: nn.Module, layout: Layout, world: int) -> No
 
 def share_memory(config: Any, generation_config: Any, device: torch.device, ranks: int) -> Any:
     """``config`` (a ``ContinuousBatchingConfig`` or None: transformers' default, or the deprecated one on the
-    generation config) with ``max_memory_percent`` divided among ``ranks`` sharing ``device``; a copy, the
-    caller's object untouched. Unchanged when one rank uses the device or the caller set the fraction."""
+    generation config) with ``max_memory_percent`` (the caller's, else transformers' default) divided among
+    ``ranks`` sharing ``device``; a copy, the caller's object untouched. Unchanged when one rank uses the device."""
     from transformers import ContinuousBatchingConfig
 
     if config is None:
         config = getattr(generation_config, "continuous_batching_config", None)
         config = config if isinstance(config, ContinuousBatchingConfig) else ContinuousBatchingConfig()
-    if ranks <= 1 or config.max_memory_percent is not None:
+    if ranks <= 1:
         return config
+    alone = config.max_memory_percent
+    if alone is None:
+        alone = CPU_MEMORY_PERCENT if device.type in ("cpu", "mps") else ACCELERATOR_MEMORY_PERCENT
     config = copy.copy(config)
-    alone = CPU_MEMORY_PERCENT if device.type in ("cpu", "mps") else ACCELERATOR_MEMORY_PERCENT
     config.max_memory_percent = alone / ranks
     return config
 

@@ -1,0 +1,67 @@
+"""TRL's GRPOTrainer on the split model (issue 40 item 1, issue 42 item 3): rollouts by the policy itself, through
+padded ``generate`` or through transformers' continuous batching (``use_transformers_continuous_batching``,
+formerly ``use_transformers_paged``), at TP 2 and (continuous batching) at EP 2: every step's completions and
+rewards equal the same trainer's in one process on transformers' model, its losses within 1e-5 (SGD: Adam's
+first step would turn round-off into a sign)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from families import save_family
+from trainers import fresh_accelerate, word_tokenizer
+from transformers import AutoModelForCausalLM
+
+import hf_moe_tp
+
+TOL = 1e-5
+PROMPTS = [" ".join(f"t{(7 * i + j) % 120 + 2}" for j in range(3 + i % 3)) for i in range(4)]
+
+
+def grpo(model, out: str, paged: bool) -> dict:
+    """Two GRPO steps of one prompt and four sampled completions each; a reward that counts even tokens."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    completions = []
+
+    def reward(completion_ids, **_) -> list[float]:
+        completions.append([[int(t) for t in c] for c in completion_ids])
+        return [float(sum(t % 2 == 0 for t in c)) for c in completion_ids]
+
+    args = GRPOConfig(out, use_cpu=True, per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+                      max_steps=2, logging_steps=1, save_strategy="no", report_to=[], learning_rate=1e-2, seed=0,
+                      disable_tqdm=True, bf16=False, optim="sgd", use_transformers_continuous_batching=paged)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=word_tokenizer(),
+                          train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    return {"loss": [h["loss"] for h in logged], "reward": [h["reward"] for h in logged], "completions": completions}
+
+
+def _grpo_on_ranks(path: str, out: str, paged: bool, kwargs: dict) -> dict:
+    fresh_accelerate()
+    torch.manual_seed(0)
+    return grpo(hf_moe_tp.from_pretrained(path, **kwargs), out, paged)
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    return str(save_family("mixtral", tmp_path_factory.mktemp("rl")))
+
+
+@pytest.mark.parametrize("paged, kwargs", [(False, {}), (True, {}), (True, {"ep_size": 2})],
+                         ids=["tp2-generate", "tp2-paged", "ep2-paged"])
+def test_grpo_matches_one_process(ranks, mixtral, tmp_path, paged, kwargs):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(mixtral, experts_implementation="eager")
+    try:
+        ref = grpo(model, str(tmp_path / "reference"), paged)
+    finally:
+        fresh_accelerate()
+    assert len(ref["completions"]) == 2 and all(len(step) == 4 for step in ref["completions"]), ref
+    for r in ranks(2).run(_grpo_on_ranks, mixtral, str(tmp_path / "split"), paged, kwargs):
+        assert r["completions"] == ref["completions"], (r, ref)
+        assert r["reward"] == ref["reward"], (r, ref)
+        assert np.allclose(r["loss"], ref["loss"], rtol=0, atol=TOL), (r, ref)
