@@ -33,7 +33,9 @@ _EXPORTS = {
     "install": "integrations.install",
     "load_checkpoint": "checkpoint.loading",
     "load_summary": "parallel.load_balance",
+    "named_weights": "checkpoint.streaming",
     "save_pretrained": "checkpoint.saving",
+    "stream_weights": "checkpoint.streaming",
     "tp_plan": "parallel.plans",
     "track_expert_load": "parallel.load_balance",
     "uninstall": "integrations.install",
@@ -56,7 +58,9 @@ __all__ = [
     "install",
     "load_checkpoint",
     "load_summary",
+    "named_weights",
     "save_pretrained",
+    "stream_weights",
     "tp_plan",
     "track_expert_load",
     "uninstall",
@@ -80,6 +84,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .checkpoint.loading import LoadReport, load_checkpoint
     from .checkpoint.saving import save_pretrained
+    from .checkpoint.streaming import named_weights, stream_weights
     from .integrations.install import install, uninstall
     from .parallel.config import ParallelConfig
     from .parallel.expert_parallel import ExpertParallel

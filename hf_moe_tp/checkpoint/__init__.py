@@ -1,6 +1,7 @@
 """Checkpoints on disk: safetensors files, indexes and headers (:mod:`.files`), where each parameter's pieces live
 (:mod:`.sources`, :mod:`.conversions`), each rank reading its own boxes (:mod:`.loading`), saving in transformers'
-format (:mod:`.saving`), quantized checkpoints read dequantized (:mod:`.quantized`) or kept in FP8 (:mod:`.fp8`).
+format (:mod:`.saving`) and streaming the same tensors out (:mod:`.streaming`), quantized checkpoints read
+dequantized (:mod:`.quantized`) or kept in FP8 (:mod:`.fp8`).
 
 Layering (runtime < parallel < checkpoint < integrations < cli; ``hf_moe_tp.pretrained`` above integrations): it may
 import :mod:`hf_moe_tp.runtime`, :mod:`hf_moe_tp.parallel`, :mod:`hf_moe_tp._compat` and ``model_patches``, never

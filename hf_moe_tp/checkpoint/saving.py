@@ -39,7 +39,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from accelerate import init_empty_weights
 from huggingface_hub import split_torch_state_dict_into_shards
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -262,9 +261,11 @@ def _transformers_keys(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], in
     """The keys and shapes transformers' ``save_pretrained`` writes for ``model``'s class and config, in order.
 
     Runs transformers' own save steps (ignored keys, tied weights, reverted conversions) on a meta-device
-    instance of the unpatched model, so nothing is allocated.
+    instance of the unpatched model, built on the meta device so that nothing is allocated (accelerate's
+    ``init_empty_weights`` allocates each parameter before moving it: the largest, a layer's whole experts, on
+    every rank at every save and stream).
     """
-    with init_empty_weights(include_buffers=False):
+    with torch.device("meta"):
         ref = from_config(type(model), copy.deepcopy(model.config))
     ref.tie_weights()
     # As for a model transformers loaded from the hub: its family's conversions attached (also when there are

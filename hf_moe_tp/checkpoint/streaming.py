@@ -1,0 +1,143 @@
+"""The model's weights streamed out one checkpoint tensor at a time, named and laid out as ``save_pretrained``
+writes them, from any layout: what an RL trainer pushes into an inference engine after each update (vLLM's
+``load_weights`` and SGLang's ``update_weights`` take ``(name, tensor)`` pairs in checkpoint names).
+
+The save's own plan and gathers (:mod:`hf_moe_tp.checkpoint.saving`): the keys, order and shapes transformers would
+write, each tensor assembled on the model's first rank from the pieces every rank holds (an expert parameter one
+expert at a time). For ``to="all"`` the first rank then broadcasts it down the model's mesh, one mesh dimension after
+another over the groups the mesh already has (no new process group); for ``to=rank`` it sends it to that rank. So a
+rank holds at most one checkpoint tensor beyond its shards (plus one piece in flight on the first rank), and the
+ranks that receive nothing still take part: every rank of the model iterates to the end.
+
+A rank's own failure (out of memory while assembling) does not leave the others waiting: it stops yielding, keeps
+taking part in the transfers, and at the end every rank raises :class:`StreamError` naming the tensor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._compat import root_mesh
+from ..runtime.agreement import agree, describe
+from .saving import _assemble, _plan, _wire
+
+
+class StreamError(RuntimeError):
+    """A stream that failed; raised on every rank of the model with the same message."""
+
+
+@dataclass
+class StreamReport:
+    """What :func:`stream_weights` sent (on a receiving rank: what it received)."""
+
+    tensors: int = 0
+    bytes: int = 0
+    batches: int = 0
+    seconds: float = 0.0
+
+
+def named_weights(model: nn.Module, *, to: int | str = "all") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``model``'s weights as ``(checkpoint key, whole tensor on CPU)``, one at a time, in the order and
+    format ``save_pretrained`` writes them (transformers' keys, per-expert tensors where the family's checkpoints
+    have them, FP8 weights and scales where the model keeps them quantized), from any layout (TP, EP, FSDP2, HSDP).
+
+    ``to="all"``: every rank of the model receives every tensor; ``to=rank`` (a global rank of the model): that
+    rank alone, the others yield nothing. Every rank of the model must iterate to the end (each step is a
+    collective); drop each tensor before asking for the next to keep one tensor of extra memory.
+    """
+    ranks = _model_ranks(model)
+    me = dist.get_rank() if dist.is_initialized() else 0
+    if to != "all" and (isinstance(to, bool) or not isinstance(to, int) or to not in ranks):
+        raise ValueError(f"to={to!r}: 'all' or a global rank of the model ({ranks})")
+    leader = 0 if 0 in ranks else ranks[0]  # where the save's gathers assemble each tensor
+    receives = to == "all" or me == to
+    entries, _ = _plan(model)
+    error: tuple[str, BaseException] | None = None
+    with torch.no_grad():
+        for key, entry in entries.items():
+            assembled, failed = _assemble(entry, keep=me == leader and error is None)
+            if failed is not None and error is None:
+                error = (key, failed)
+            tensor = _deliver(model, assembled, entry, leader, to, me, error is None)
+            if receives and error is None:
+                yield key, tensor
+            del assembled, tensor
+    failure = None if error is None else StreamError(f"at {error[0]}: {type(error[1]).__name__}: {error[1]}")
+    agree(failure, lambda failed: StreamError("streaming the weights failed " + describe(
+        {rank: message.removeprefix(f"{StreamError.__name__}: ") for rank, message in failed.items()})))
+
+
+def stream_weights(model: nn.Module, consume: Callable[[list[tuple[str, torch.Tensor]]], Any], *,
+                   to: int | str = "all", batch_bytes: int = 0) -> StreamReport:
+    """Feed ``model``'s weights (:func:`named_weights`) to ``consume`` on each receiving rank, in batches of
+    ``(name, tensor)`` pairs of at most ``batch_bytes`` (a tensor larger than that alone; 0: one tensor per call),
+    e.g. an inference engine's ``load_weights``, or a function that sends each batch to an engine's ranks. Call it
+    on every rank of the model. Peak extra memory on a receiving rank: one batch."""
+    start = time.perf_counter()
+    report = StreamReport()
+    batch: list[tuple[str, torch.Tensor]] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal batch, size
+        if batch:
+            consume(batch)
+            report.batches += 1
+        batch, size = [], 0
+
+    for name, tensor in named_weights(model, to=to):
+        nbytes = tensor.numel() * tensor.element_size()
+        if batch and size + nbytes > batch_bytes:
+            flush()
+        batch.append((name, tensor))
+        size += nbytes
+        report.tensors += 1
+        report.bytes += nbytes
+        if size >= batch_bytes:
+            flush()
+    flush()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _model_ranks(model: nn.Module) -> list[int]:
+    """The global ranks of ``model``'s meshes (one process: [0])."""
+    mesh = getattr(model, "hf_moe_tp_mesh", None)
+    if mesh is None or not dist.is_initialized():
+        return [0]
+    return sorted(root_mesh(mesh).mesh.flatten().tolist())
+
+
+def _deliver(model: nn.Module, tensor: torch.Tensor | None, entry: Any, leader: int, to: int | str, me: int,
+             ok: bool) -> torch.Tensor | None:
+    """The leader's assembled ``tensor`` on the ranks ``to`` names: a broadcast down the model's mesh, or a send."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or to == leader:
+        return tensor
+    mesh = root_mesh(model.hf_moe_tp_mesh)
+    device = mesh.device_type  # NCCL moves device tensors only
+    if me == leader:
+        tensor = tensor if ok else torch.zeros(entry.shape, dtype=entry.dtype)
+    elif to == "all" or me == to:
+        tensor = torch.empty(entry.shape, dtype=entry.dtype)
+    else:
+        return None
+    moved = tensor.to(device) if device != "cpu" else tensor
+    if to != "all":
+        if me == leader:
+            dist.send(_wire(moved), dst=to)
+        else:
+            dist.recv(_wire(moved), src=leader)
+        return moved.cpu() if moved is not tensor else tensor
+    coordinate = mesh.get_coordinate()
+    for dim in range(mesh.ndim):
+        # ranks whose coordinates past ``dim`` are 0 hold the tensor from the dimensions before; pass it along ``dim``
+        if all(c == 0 for c in coordinate[dim + 1:]) and mesh.size(dim) > 1:
+            dist.broadcast(_wire(moved), group=mesh.get_group(dim), group_src=0)
+    return moved.cpu() if moved is not tensor else tensor

@@ -1,0 +1,182 @@
+"""Weights streamed out of the split model (hf_moe_tp.checkpoint.streaming, issue 40 item 2 and 3): from TP, EP,
+FSDP2 x TP and HSDP, ``named_weights`` yields exactly the tensors ``save_pretrained`` writes (keys, order, bytes),
+to every rank or to one; ``stream_weights`` feeds them in batches to a callable, here one that sends them to an
+"engine": a process outside the job, joined to the trainer's first rank by a process group of its own (as TRL's
+and vLLM's weight sync do), which loads them into plain transformers and computes the trainer's logits."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pickle
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from families import save_family
+from safetensors.torch import load_file, save_file
+
+import hf_moe_tp
+from hf_moe_tp.checkpoint.files import INDEX_FILE, SINGLE_FILE
+
+TOL = 1e-5
+IDS = torch.arange(2, 18).reshape(2, 8)
+
+
+def _changed(path: str, kwargs: dict):
+    """The model loaded at a layout, every weight changed in place: streams must carry the model's weights, not
+    the checkpoint's."""
+    model = hf_moe_tp.from_pretrained(path, **kwargs)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    return model
+
+
+def _saved(folder: Path) -> dict[str, torch.Tensor]:
+    if (folder / INDEX_FILE).is_file():
+        files = sorted(set(json.loads((folder / INDEX_FILE).read_text())["weight_map"].values()))
+    else:
+        files = [SINGLE_FILE]
+    return {k: v for f in files for k, v in load_file(folder / f).items()}
+
+
+def _stream_at(path: str, kwargs: dict, out: str) -> dict:
+    model = _changed(path, kwargs)
+    last = dist.get_world_size() - 1
+    streamed = list(hf_moe_tp.named_weights(model))
+    to_last = dict(hf_moe_tp.named_weights(model, to=last))
+    batches = []
+    report = hf_moe_tp.stream_weights(model, lambda batch: batches.append([name for name, _ in batch]),
+                                      batch_bytes=4096)
+    model.save_pretrained(out, max_shard_size="20KB")  # several files
+    dist.barrier()
+    saved = _saved(Path(out))
+    streamed_keys = [k for k, _ in streamed]
+    return {"same_keys": sorted(streamed_keys) == sorted(saved) and len(streamed_keys) == len(saved),
+            "equal": all(torch.equal(t, saved[k]) for k, t in streamed),
+            "to_last": sorted(to_last) == sorted(saved) if dist.get_rank() == last else to_last == {},
+            "batched_in_order": [n for b in batches for n in b] == streamed_keys, "batches": len(batches),
+            "tensors": report.tensors, "count": len(saved)}
+
+
+@pytest.mark.parametrize("family, world, kwargs", [
+    ("mixtral", 2, {}), ("gpt_oss", 2, {}), ("mixtral", 2, {"ep_size": 2}), ("mixtral", 4, {"fsdp_size": 2}),
+    ("mixtral", 4, {"fsdp_size": 2, "dp_replicate_size": 2})],
+    ids=["tp2", "tp2-gpt_oss", "ep2", "dp2_tp2", "hsdp2x2"])
+def test_named_weights_are_what_save_pretrained_writes(ranks, tmp_path, family, world, kwargs):
+    path = save_family(family, tmp_path)
+    for r in ranks(world).run(_stream_at, str(path), kwargs, str(tmp_path / "saved")):
+        assert r["same_keys"] and r["equal"] and r["to_last"] and r["batched_in_order"], r
+        assert r["tensors"] == r["count"] and 1 < r["batches"] < r["count"], r
+
+
+def _send(group: dist.ProcessGroup, batch: list[tuple[str, torch.Tensor]] | None) -> None:
+    """The trainer's side of the test's engine protocol: a pickled header (names, shapes, dtypes; an empty one
+    ends the stream), then each tensor, broadcast from the trainer's rank."""
+    header = pickle.dumps([] if batch is None else [(n, tuple(t.shape), t.dtype) for n, t in batch])
+    group.broadcast(torch.tensor([len(header)]), 0).wait()
+    group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8), 0).wait()
+    for _, t in batch or []:
+        group.broadcast(t.contiguous(), 0).wait()
+
+
+def _receive(group: dist.ProcessGroup) -> list[tuple[str, torch.Tensor]]:
+    size = torch.zeros(1, dtype=torch.int64)
+    group.broadcast(size, 0).wait()
+    raw = torch.empty(int(size), dtype=torch.uint8)
+    group.broadcast(raw, 0).wait()
+    received = []
+    for name, shape, dtype in pickle.loads(raw.numpy().tobytes()):
+        t = torch.empty(shape, dtype=dtype)
+        group.broadcast(t, 0).wait()
+        received.append((name, t))
+    return received
+
+
+def _engine_group(port: int, rank: int) -> dist.ProcessGroup:
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 1, timeout=datetime.timedelta(seconds=60),
+                          wait_for_workers=False)
+    return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=60))
+
+
+def _trainer(path: str, port: int) -> dict:
+    model = _changed(path, {})
+    with torch.no_grad():
+        logits = model(IDS).logits
+    group = _engine_group(port, 0) if dist.get_rank() == 0 else None
+    report = hf_moe_tp.stream_weights(model, lambda batch: _send(group, batch), to=0, batch_bytes=1 << 16)
+    if group is not None:
+        _send(group, None)
+    return {"logits": logits.full_tensor() if hasattr(logits, "full_tensor") else logits, "sent": report.tensors}
+
+
+def test_streamed_into_an_engine_outside_the_job(ranks, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = save_family("mixtral", tmp_path)
+    port = _free_port()
+    results = {}
+    trainers = threading.Thread(target=lambda: results.update(out=ranks(2).run(_trainer, str(path), port)))
+    trainers.start()
+    group = _engine_group(port, 1)
+    received = {}
+    while batch := _receive(group):
+        received.update(batch)
+    trainers.join(timeout=120)
+    assert "out" in results, "the trainer ranks did not finish"
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    shutil.copy(path / "config.json", engine / "config.json")
+    save_file(received, engine / SINGLE_FILE, metadata={"format": "pt"})
+    plain = AutoModelForCausalLM.from_pretrained(engine, experts_implementation="eager").eval()
+    with torch.no_grad():
+        logits = plain(IDS).logits
+    for r in results["out"]:
+        assert r["sent"] == (len(received) if r is results["out"][0] else 0)
+        assert (r["logits"] - logits).abs().max().item() <= TOL
+    assert (plain(IDS).logits - AutoModelForCausalLM.from_pretrained(path)(IDS).logits).abs().max() > 1e-3
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _failing(path: str) -> dict:
+    from hf_moe_tp.checkpoint import streaming
+
+    model = hf_moe_tp.from_pretrained(path)
+    assemble, seen = streaming._assemble, []
+
+    def third_fails(entry, keep):  # the first rank runs out of memory assembling the third tensor
+        if keep and len(seen) == 2:
+            seen.append(entry.key)
+            return None, MemoryError("no room")
+        seen.append(entry.key)
+        return assemble(entry, keep)
+
+    streaming._assemble = third_fails
+    got = []
+    try:
+        for name, _ in hf_moe_tp.named_weights(model):
+            got.append(name)
+        return {"raised": None}
+    except streaming.StreamError as e:
+        return {"raised": str(e), "got": got, "third": seen[2]}
+    finally:
+        streaming._assemble = assemble
+
+
+def test_a_failure_raises_on_every_rank(ranks, tmp_path):
+    results = ranks(2).run(_failing, str(save_family("mixtral", tmp_path)))
+    third = results[0]["third"]
+    for rank, r in enumerate(results):
+        assert r["raised"] == f"streaming the weights failed at {third}: MemoryError: no room", r
+    assert len(results[0]["got"]) == 2  # the failing rank stops yielding at once; the others finish, then raise
