@@ -2,7 +2,8 @@
 padded ``generate`` or through transformers' continuous batching (``use_transformers_continuous_batching``,
 formerly ``use_transformers_paged``), at TP 2 and (continuous batching) at EP 2: every step's completions and
 rewards equal the same trainer's in one process on transformers' model, its losses within 1e-5 (SGD: Adam's
-first step would turn round-off into a sign)."""
+first step would turn round-off into a sign); with a KL term, the reference copy TRL loads is split like the
+policy."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from families import save_family
+from torch.distributed.tensor import DTensor
 from trainers import fresh_accelerate, word_tokenizer
 from transformers import AutoModelForCausalLM
 
@@ -19,8 +21,9 @@ TOL = 1e-5
 PROMPTS = [" ".join(f"t{(7 * i + j) % 120 + 2}" for j in range(3 + i % 3)) for i in range(4)]
 
 
-def grpo(model, out: str, paged: bool) -> dict:
-    """Two GRPO steps of one prompt and four sampled completions each; a reward that counts even tokens."""
+def grpo(model, out: str, paged: bool, beta: float = 0.0) -> dict:
+    """Two GRPO steps of one prompt and four sampled completions each; a reward that counts even tokens; with
+    ``beta``, the KL term against a frozen reference copy TRL loads itself."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -32,18 +35,27 @@ def grpo(model, out: str, paged: bool) -> dict:
 
     args = GRPOConfig(out, use_cpu=True, per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
                       max_steps=2, logging_steps=1, save_strategy="no", report_to=[], learning_rate=1e-2, seed=0,
-                      disable_tqdm=True, bf16=False, optim="sgd", use_transformers_continuous_batching=paged)
+                      disable_tqdm=True, bf16=False, optim="sgd", use_transformers_continuous_batching=paged,
+                      beta=beta)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=word_tokenizer(),
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
-    return {"loss": [h["loss"] for h in logged], "reward": [h["reward"] for h in logged], "completions": completions}
+    reference = trainer.ref_model
+    return {"loss": [h["loss"] for h in logged], "reward": [h["reward"] for h in logged], "completions": completions,
+            "kl": [h.get("kl") for h in logged], "grad_norm": [h["grad_norm"] for h in logged],
+            "entropy": [h["entropy"] for h in logged],
+            "reference_split": reference is not None and getattr(reference, "hf_moe_tp_mesh", None) is not None
+            and all(isinstance(p, DTensor) for p in reference.parameters())}
 
 
-def _grpo_on_ranks(path: str, out: str, paged: bool, kwargs: dict) -> dict:
+def _grpo_on_ranks(path: str, out: str, paged: bool, kwargs: dict, beta: float = 0.0) -> dict:
     fresh_accelerate()
     torch.manual_seed(0)
-    return grpo(hf_moe_tp.from_pretrained(path, **kwargs), out, paged)
+    try:
+        return grpo(hf_moe_tp.from_pretrained(path, **kwargs), out, paged, beta)
+    finally:
+        hf_moe_tp.uninstall()  # the reference model's load switched transformers' routing on
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +63,9 @@ def mixtral(tmp_path_factory):
     return str(save_family("mixtral", tmp_path_factory.mktemp("rl")))
 
 
-@pytest.mark.parametrize("paged, kwargs", [(False, {}), (True, {}), (True, {"ep_size": 2})],
-                         ids=["tp2-generate", "tp2-paged", "ep2-paged"])
+@pytest.mark.parametrize("paged, kwargs", [  # (continuous batching's loop takes about 20 s a step here: one default)
+    (False, {}), (True, {}), pytest.param(True, {"ep_size": 2}, marks=pytest.mark.slow)],
+    ids=["tp2-generate", "tp2-paged", "ep2-paged"])
 def test_grpo_matches_one_process(ranks, mixtral, tmp_path, paged, kwargs):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(mixtral, experts_implementation="eager")
@@ -64,4 +77,23 @@ def test_grpo_matches_one_process(ranks, mixtral, tmp_path, paged, kwargs):
     for r in ranks(2).run(_grpo_on_ranks, mixtral, str(tmp_path / "split"), paged, kwargs):
         assert r["completions"] == ref["completions"], (r, ref)
         assert r["reward"] == ref["reward"], (r, ref)
-        assert np.allclose(r["loss"], ref["loss"], rtol=0, atol=TOL), (r, ref)
+        for logged in ("loss", "grad_norm", "entropy"):  # (the loss alone does not see the log-probabilities)
+            assert np.allclose(r[logged], ref[logged], rtol=0, atol=TOL), (logged, r, ref)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"ep_size": 2}], ids=["tp2", "ep2"])
+def test_grpo_reference_model_split_like_the_policy(ranks, mixtral, tmp_path, kwargs):
+    """With a KL term (beta > 0) TRL loads a reference copy of the policy itself (never trained): here it is split
+    like the policy (hf_moe_tp's, every parameter a DTensor), and the run equals one process's, KL included."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(mixtral, experts_implementation="eager")
+    try:
+        ref = grpo(model, str(tmp_path / "reference"), False, beta=0.1)
+    finally:
+        fresh_accelerate()
+    assert ref["kl"][0] is not None and not ref["reference_split"], ref
+    for r in ranks(2).run(_grpo_on_ranks, mixtral, str(tmp_path / "split"), False, kwargs, 0.1):
+        assert r["reference_split"], r
+        assert r["completions"] == ref["completions"] and r["reward"] == ref["reward"], (r, ref)
+        for logged in ("loss", "grad_norm", "entropy", "kl"):
+            assert np.allclose(r[logged], ref[logged], rtol=0, atol=TOL), (logged, r, ref)

@@ -59,19 +59,22 @@ def test_sampling_agrees_across_ranks(ranks, checkpoint, world):
     assert any(c["sampled"] for c in results[0].values())  # the draws did matter
 
 
-def _own_stream_after(path: str) -> float:
+def _stream_after(path: str) -> float:
     model = hf_moe_tp.from_pretrained(path)
     torch.manual_seed(7 + dist.get_rank())
-    model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+    model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=True)
     return torch.rand(1).item()
 
 
-def test_ranks_keep_their_own_stream(ranks, checkpoint):
-    """After generate the ranks other than the leader resume their own generator: per-rank randomness (data
-    shuffling, augmentation) is left as the user seeded it."""
-    values = ranks(2).run(_own_stream_after, str(checkpoint))
-    torch.manual_seed(8)
-    assert values[1] == torch.rand(1).item() and values[0] != values[1]
+def test_ranks_follow_the_leaders_stream(ranks, checkpoint):
+    """After generate every rank of the TP group continues from the leader's stream, as one process after the
+    leader's seed: a TP group is one replica, and code that draws outside the model (TRL's shuffle of its
+    rollouts) must draw alike on its ranks, even where a data-parallel habit seeded them apart."""
+    values = ranks(2).run(_stream_after, str(checkpoint))
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint, experts_implementation="eager").eval()
+    torch.manual_seed(7)
+    ref.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=True)
+    assert values[0] == values[1] == torch.rand(1).item(), values
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ On CPU processes accelerate refuses any ``ParallelismConfig``: :mod:`hf_moe_tp.i
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib.abc
 import importlib.util
@@ -55,6 +56,7 @@ from .._compat import (
     TRAINER_SAVE_OPTIMIZER,
 )
 from ..parallel.balancing_loss import trainer_loss_scale
+from ..parallel.expert_parallel import ExpertParallel
 from ..parallel.load_balance import STATE as EXPERT_LOAD_STATE
 from ..parallel.load_balance import expert_load, load_summary
 from ..parallel.loss import loss_only
@@ -220,6 +222,7 @@ def _patch_trainer() -> None:
             raise ValueError(f"{wrapper[0]} (TrainingArguments or the accelerate config) with an hf_moe_tp model, "
                              f"which is sharded already: leave it unset; FSDP2 comes with from_pretrained(fsdp_size=)")
         trainer.hf_moe_tp_gather = _gather_once_per_tp_group(trainer, model)
+        reference_like_policy(args, model)
         if any(hasattr(m, EXPERT_LOAD_STATE) for m in model.modules()):  # first: the loggers see what it adds
             trainer.callback_handler.callbacks.insert(0, expert_load_callback()())
 
@@ -230,6 +233,29 @@ def _patch_trainer() -> None:
     patch(TRAINER_LOAD_BEST, _load_best_model)
     patch("evaluation_loop", _evaluation_loop)
     patch("compute_loss", _compute_loss)
+
+
+def reference_like_policy(args: Any, model: nn.Module) -> None:
+    """TRL's RL trainers with a KL term (``beta`` > 0: GRPO, RLOO) load their frozen reference copy of the policy
+    themselves, after ``Trainer.__init__``: ``from_pretrained(policy's path, **args.model_init_kwargs)``, whole on
+    every rank. Unless the caller chose a layout for it, ask for the policy's (its ``DistributedConfig``, EP
+    included), which transformers' ``from_pretrained`` then hands to hf_moe_tp (:func:`hf_moe_tp.install`): the
+    reference is split like the policy, each rank reading its own slices."""
+    if not getattr(args, "beta", 0.0) or not hasattr(args, "model_init_kwargs"):
+        return
+    kwargs = dict(args.model_init_kwargs or {})
+    if {"distributed_config", "tp_plan", "device_mesh"} & set(kwargs):
+        return
+    config = copy.copy(model.config.distributed_config)
+    ep_mesh = getattr(model, "hf_moe_tp_ep_mesh", None)
+    if ep_mesh is not None:
+        config.ep_size = ep_mesh["ep"].size()
+    elif any(isinstance(style, ExpertParallel) for style in (getattr(model, "hf_moe_tp_plan", None) or {}).values()):
+        config.ep_size = config.tp_size
+    args.model_init_kwargs = {**kwargs, "distributed_config": config}
+    from .install import install
+
+    install()
 
 
 @functools.cache

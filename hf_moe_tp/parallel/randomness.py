@@ -5,10 +5,14 @@ router jitter and sampled routing, dropout on the residual stream) must draw the
 or the ranks route, drop and later all-reduce different things, silently. Data-parallel scripts seed each
 rank differently (``seed + rank``), so the draws cannot rely on equal seeds.
 
-So a training-mode forward runs on the group leader's (TP rank 0's) generator state: one broadcast of the
-state (5 KB for CPU's Mersenne Twister, 16 bytes per CUDA device) before the forward, and afterwards the other
-ranks get their own state back. The leader's stream advances as one process's would, so a run seeded like one
-process draws what that process draws. Inference forwards draw nothing and pay nothing.
+So a training-mode forward (and ``generate``) runs on the group leader's (TP rank 0's) generator state: one
+broadcast of the state (5 KB for CPU's Mersenne Twister, 16 bytes per CUDA device) before, and one after, which
+leaves every rank of the group on the leader's advanced stream, as one process would be. A TP group is one
+replica: code that draws outside the model must draw alike on its ranks too (TRL shuffles its rollouts with the
+global generator; ranks left on streams of their own fed the model different rows and got wrong gradients), so
+a per-rank seed (``seed + rank``, the data-parallel habit) does not survive the first such call. The leader's
+stream advances as one process's would, so a run seeded like one process draws what that process draws.
+Inference forwards draw nothing and pay nothing.
 """
 
 from __future__ import annotations
@@ -38,57 +42,50 @@ def _set_states(states: list[torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(states[1], device)
 
 
-def share_leader_state(mesh: DeviceMesh) -> list[torch.Tensor] | None:
-    """Give every rank of ``mesh`` (1-D) the generator states of its first rank; return this rank's own states
-    (None on the leader, whose states are the shared ones) for :func:`restore_state`."""
+def share_leader_state(mesh: DeviceMesh) -> None:
+    """Give every rank of ``mesh`` (1-D) the generator states of its first rank (one broadcast)."""
     if mesh.size() == 1:
-        return None
+        return
     device = mesh_device(mesh)
     own = _states(device)
     sizes = [s.numel() for s in own]
     flat = torch.cat(own).to(device)
     dist.broadcast(flat, group=mesh.get_group(), group_src=0)
-    if mesh.get_local_rank() == 0:
-        return None
-    _set_states([s.cpu() for s in flat.split(sizes)], device)
-    return own
-
-
-def restore_state(mesh: DeviceMesh, own: list[torch.Tensor] | None) -> None:
-    """Put back a rank's own generator states taken by :func:`share_leader_state`."""
-    if own is not None:
-        _set_states(own, mesh_device(mesh))
+    if mesh.get_local_rank() != 0:
+        _set_states([s.cpu() for s in flat.split(sizes)], device)
 
 
 def same_draws_in_training(model: nn.Module, mesh: DeviceMesh) -> None:
     """Make every training-mode forward of ``model`` draw from the leader's generators on all ranks of
-    ``mesh`` (the tensor-parallel mesh), each rank's own generators resumed afterwards."""
+    ``mesh`` (the tensor-parallel mesh), every rank left on the leader's advanced generators afterwards."""
     if mesh.size() == 1:
         return
-    saved: list[list[torch.Tensor] | None] = []
+    shared: list[bool] = []
 
     def before(module: nn.Module, args: tuple) -> None:
-        saved.append(share_leader_state(mesh) if module.training else None)
+        shared.append(module.training)
+        if module.training:
+            share_leader_state(mesh)
 
     def after(module: nn.Module, args: tuple, out: Any) -> None:
-        if saved:  # empty when an earlier pre-hook raised (a failed input check) before ``before`` ran
-            restore_state(mesh, saved.pop())
+        if shared and shared.pop():  # empty when an earlier pre-hook raised (a failed input check) first
+            share_leader_state(mesh)
 
     model.register_forward_pre_hook(before)
     model.register_forward_hook(after, always_call=True)
 
 
 def generate_on_leader_state(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Make ``model.generate`` run on the leader's generator states on every rank of ``mesh``: one broadcast
+    """Make ``model.generate`` run on the leader's generator states on every rank of ``mesh``: two broadcasts
     per call, so sampled tokens agree across the ranks and equal one process's after the same seed."""
     generate = model.generate.__func__
 
     def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        own = share_leader_state(mesh)
+        share_leader_state(mesh)
         try:
             return generate(self, *args, **kwargs)
         finally:
-            restore_state(mesh, own)
+            share_leader_state(mesh)
 
     # A bound method, not a closure over ``model``: copy.deepcopy (a reference model) rebinds it to the copy.
     functools.update_wrapper(wrapped, generate)
