@@ -28,9 +28,10 @@ from torch.distributed.tensor import Shard
 
 from .._compat import is_strided_shard
 from ..parallel.boxes import strided
+from ..runtime.agreement import rank
 from .files import DCP_FILE
 from .quantized import kept_scales
-from .saving import SaveError, SaveReport, _agree, _rank, remove_weight_files, start_save
+from .saving import SaveError, SaveReport, agree_saved, remove_weight_files, start_save
 
 
 def save_distributed(model: nn.Module, out_dir: str | os.PathLike) -> SaveReport:
@@ -47,10 +48,10 @@ def save_distributed(model: nn.Module, out_dir: str | os.PathLike) -> SaveReport
         raise SaveError(f"save_pretrained(..., distributed_checkpoint=True) of a model keeping FP8 weights "
                         f"(keep_quantized=True) to {out}: its scale buffers are not transformers' format; save the "
                         "hub format (distributed_checkpoint=False), which writes the FP8 checkpoint back")
-    writer = _rank() == 0
+    writer = rank() == 0
     tmp, error = start_save(model, out, writer)
     try:
-        _agree(error, f"cannot save to {out}")
+        agree_saved(error, f"cannot save to {out}")
         where = [str(tmp)]
         if dist.is_initialized():
             dist.broadcast_object_list(where, src=0)
@@ -60,7 +61,7 @@ def save_distributed(model: nn.Module, out_dir: str | os.PathLike) -> SaveReport
                                                                     enable_consolidation=False))
         except Exception as e:
             error = e
-        _agree(error, f"cannot write the distributed checkpoint to {out}")
+        agree_saved(error, f"cannot write the distributed checkpoint to {out}")
         files = []
         if writer:
             try:
@@ -70,7 +71,7 @@ def save_distributed(model: nn.Module, out_dir: str | os.PathLike) -> SaveReport
                 remove_weight_files(out, keep=set(files))
             except Exception as e:
                 error = e
-        _agree(error, f"cannot finish the save to {out}")
+        agree_saved(error, f"cannot finish the save to {out}")
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from ..parallel.boxes import local_pieces
+from ..runtime.agreement import rank
 from .conversions import ReadMap, read_map
 from .files import Checkpoint, CheckpointError
 from .quantized import Quantization
@@ -80,13 +81,13 @@ def load_checkpoint(
         _check(model, targets, found, ckpt.path, strict)
         jobs, filled = _requests(model, targets, found, ckpt.path)
         received = _read(jobs, filled, ckpt, found.to_ckpt, threads or default_threads(), replicas,
-                         progress if progress is not None else _rank() == 0)
+                         progress if progress is not None else rank() == 0)
         if hasattr(model, "tie_weights"):
             model.tie_weights()
         if found.view.quantization is not None and not found.kept:  # plain weights now: saved as a plain checkpoint
             del model.config.quantization_config
         unexpected = found.unused
-        if unexpected and _rank() == 0:
+        if unexpected and rank() == 0:
             shown = ", ".join(unexpected[:8]) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
             logger.warning("%s: %d checkpoint tensors are not used by the model: %s", path, len(unexpected), shown)
         return LoadReport(
@@ -280,7 +281,3 @@ def _device(model: nn.Module) -> torch.device:
         if t.device.type != "meta":
             return t.device
     return torch.device("cpu")
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

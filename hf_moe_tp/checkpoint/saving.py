@@ -50,7 +50,7 @@ from transformers.modeling_utils import remove_tied_weights_from_state_dict
 from .._compat import MODEL_IGNORE_ON_SAVE, MODEL_WEIGHT_CONVERSIONS, from_config
 from ..parallel.boxes import pieces, shard_dim
 from ..parallel.experts import GroupedExperts
-from ..runtime.agreement import agree, describe
+from ..runtime.agreement import agree, describe, rank
 from .conversions import model_keys, parameter_sources
 from .files import DCP_FILE, INDEX_FILE, SINGLE_FILE, ST_DTYPES
 from .quantized import SCALE_SUFFIX, kept_scales, scale_sources
@@ -103,7 +103,7 @@ def save_pretrained(
         return save_distributed(model, out_dir)
     start = time.perf_counter()
     out = Path(out_dir)
-    writer = _rank() == 0
+    writer = rank() == 0
     entries, total_parameters = _plan(model)
     split = split_torch_state_dict_into_shards(
         {key: torch.empty(e.shape, dtype=e.dtype, device="meta") for key, e in entries.items()},
@@ -113,13 +113,13 @@ def save_pretrained(
     installed: list[Path] = []
     tmp, error = start_save(model, out, writer)
     try:
-        _agree(error, f"cannot save to {out}")
+        agree_saved(error, f"cannot save to {out}")
         show = progress if progress is not None else writer
         with torch.no_grad(), tqdm(total=len(entries), desc=f"saving {out.name}", unit="tensor",
                                    disable=not show) as bar:
             for filename, keys in split.filename_to_tensors.items():
                 error = _write_file(entries, keys, tmp / filename if writer else None, writer, bar)
-                _agree(error, f"cannot write {out / filename}")
+                agree_saved(error, f"cannot write {out / filename}")
         if writer:
             try:
                 if split.is_sharded:
@@ -135,7 +135,7 @@ def save_pretrained(
                 remove_weight_files(out, set(names))
             except Exception as e:
                 error = e
-        _agree(error, f"cannot finish the save to {out}")
+        agree_saved(error, f"cannot finish the save to {out}")
     except BaseException:
         if writer:  # a failed save leaves nothing under a final name
             for path in installed:
@@ -567,15 +567,11 @@ def remove_weight_files(out: Path, keep: set[str]) -> None:
             p.unlink()
 
 
-def _agree(error: BaseException | None, what: str) -> None:
-    """Raise :class:`SaveError` on every rank if any rank (the writing one) failed."""
+def agree_saved(error: BaseException | None, what: str) -> None:
+    """Raise :class:`SaveError` on every rank if any rank (the writing one) failed: ``what`` and each failure."""
     agree(error, lambda failed: SaveError(f"{what}: {describe(failed)}"))
 
 
 def _can_generate(model: nn.Module) -> bool:
     can = getattr(model, "can_generate", None)
     return bool(can and can()) and getattr(model, "generation_config", None) is not None
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0

@@ -25,6 +25,11 @@ def agree(error: BaseException | None, failure: Callable[[dict[int, str]], BaseE
         raise failure(failed) from error
 
 
+def rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def describe(failed: dict[int, str]) -> str:
     """The failures as one line: the message alone when one rank failed, else each rank's."""
     if len(failed) == 1:

@@ -10,12 +10,11 @@ import types
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ...checkpoint.saving import SaveError
-from ...runtime.agreement import agree, describe
+from ...checkpoint.saving import agree_saved
+from ...runtime.agreement import rank
 from .checks import UnsupportedLoraError
 
 _ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector",
@@ -48,7 +47,7 @@ def save_adapters(peft_model: nn.Module, save_directory: str | os.PathLike, **kw
     biases = any(getattr(c, "bias", "none") != "none" for c in peft_model.peft_config.values())
     whole = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()
              if not isinstance(v, DTensor) or _is_adapter_key(k) or (biases and k.endswith("bias"))}
-    writer = (not dist.is_initialized() or dist.get_rank() == 0) and kwargs.pop("is_main_process", True)
+    writer = rank() == 0 and kwargs.pop("is_main_process", True)
     out = Path(save_directory)
     error: BaseException | None = None
     if writer:
@@ -66,13 +65,8 @@ def save_adapters(peft_model: nn.Module, save_directory: str | os.PathLike, **kw
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
-    _agree(error, f"cannot save the adapters to {out}")
+    agree_saved(error, f"cannot save the adapters to {out}")
 
 
 def _is_adapter_key(key: str) -> bool:
     return any(part in _ADAPTER_PARTS for part in key.split("."))
-
-
-def _agree(error: BaseException | None, what: str) -> None:
-    """The same :class:`SaveError` on every rank if any failed."""
-    agree(error, lambda failed: SaveError(f"{what}: {describe(failed)}"))
