@@ -99,11 +99,15 @@ def bench_rank(path: str, dtype_name: str, batches: list[int], prompt: int, new:
 BATCHING = ("hf_moe_tp generate_batch", "transformers tp_plan=auto generate_batch", "hf_moe_tp padded generate")
 
 
-def batching_rank(path: str, dtype_name: str, prompts: int, prompt: int, new: int, repeats: int) -> dict:
+def batching_rank(path: str, dtype_name: str, prompts: int, prompt: int, new: int, repeats: int,
+                  mixed: bool = False) -> dict:
     """Continuous batching: ``prompts`` prompts of mixed lengths (``prompt / 4`` to ``2 * prompt`` tokens) through
     our ``generate_batch``, transformers' ``tp_plan="auto"`` ``generate_batch`` (both with the same paged cache:
     blocks of 32 tokens, enough for every request at once, 512 tokens per step) and our ``generate`` on the
-    left-padded batch, ``new`` greedy tokens each; tokens per second count generated tokens."""
+    left-padded batch, ``new`` greedy tokens each; tokens per second count generated tokens. ``mixed``: answers
+    of mixed lengths too: the token found in the most of the greedy answers (the earliest on average among ties)
+    becomes the end-of-sequence token, so each request stops at its first occurrence (where the padded batch
+    keeps computing finished rows until the last one ends)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     dtype = getattr(torch, dtype_name)
@@ -132,11 +136,24 @@ def batching_rank(path: str, dtype_name: str, prompts: int, prompt: int, new: in
 
     calls = {BATCHING[0]: lambda: batch(BATCHING[0]), BATCHING[1]: lambda: batch(BATCHING[1]), BATCHING[2]: generate}
     tokens = {name: call() for name, call in calls.items()}
+    if mixed:
+        rows = tokens[BATCHING[1]]
+        found = {t for row in rows for t in row}
+        eos = max(found, key=lambda t: (sum(t in row for row in rows),
+                                        -sum(row.index(t) if t in row else new for row in rows)))
+        generation.eos_token_id, generation.min_new_tokens = eos, None
+        tokens = {name: [_until(row, eos) for row in call()] for name, call in calls.items()}
     seconds = rotated_medians(calls, repeats)
     reference = tokens[BATCHING[1]]
-    return {name: {"tok_s": prompts * new / seconds[name], "s": seconds[name],
+    lengths = [len(row) for row in reference]
+    return {name: {"tok_s": sum(lengths) / seconds[name], "s": seconds[name], "lengths": (min(lengths), max(lengths)),
                    "same": sum(a == b for a, b in zip(tokens[name], reference, strict=True)) / prompts}
             for name in calls}
+
+
+def _until(row: list[int], eos: int) -> list[int]:
+    """A generated row up to and including its first ``eos`` (the padded batch pads after it)."""
+    return row[: row.index(eos) + 1] if eos in row else row
 
 
 def profile_rank(path: str, dtype_name: str, prompt: int, steps: int, name: str) -> str:
@@ -175,6 +192,7 @@ def main() -> None:
     p.add_argument("--batching", type=int, metavar="PROMPTS",
                    help="instead: continuous batching (generate_batch) of PROMPTS prompts of mixed lengths against "
                         "transformers' and against our padded generate")
+    p.add_argument("--mixed", action="store_true", help="with --batching: answers of mixed lengths too (an EOS)")
     args = p.parse_args()
     malloc = user_env(args.pin_malloc)
     make_checkpoint(args.dir)
@@ -183,8 +201,9 @@ def main() -> None:
               f"tokens, {args.new} new greedy tokens each, median of {args.repeats}, {malloc}")
         for dtype in args.dtypes:
             rows = run_on_ranks(batching_rank, 2, str(args.dir), dtype, args.batching, args.prompt, args.new,
-                                args.repeats, timeout=7200)[0]
-            print(f"\n{dtype}")
+                                args.repeats, args.mixed, timeout=7200)[0]
+            shortest, longest = rows[BATCHING[1]]["lengths"]
+            print(f"\n{dtype}, answers of {shortest}-{longest} tokens")
             for name, r in rows.items():
                 print(f"  {name:<42} {r['tok_s']:7.1f} tok/s  {r['s']:7.2f} s  requests with transformers' "
                       f"generate_batch tokens: {r['same']:.0%}")
