@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._compat import root_mesh
-from ..runtime.agreement import agree, describe
+from ..runtime.agreement import agree, describe, rank
 from .saving import _assemble, _plan, _wire
 
 
@@ -53,7 +53,7 @@ def named_weights(model: nn.Module, *, to: int | str = "all") -> Iterator[tuple[
     collective); drop each tensor before asking for the next to keep one tensor of extra memory.
     """
     ranks = _model_ranks(model)
-    me = dist.get_rank() if dist.is_initialized() else 0
+    me = rank()
     if to != "all" and (isinstance(to, bool) or not isinstance(to, int) or to not in ranks):
         raise ValueError(f"to={to!r}: 'all' or a global rank of the model ({ranks})")
     leader = 0 if 0 in ranks else ranks[0]  # where the save's gathers assemble each tensor
@@ -129,15 +129,14 @@ def _deliver(model: nn.Module, tensor: torch.Tensor | None, entry: Any, leader: 
     else:
         return None
     moved = tensor.to(device) if device != "cpu" else tensor
-    if to != "all":
-        if me == leader:
-            dist.send(_wire(moved), dst=to)
-        else:
-            dist.recv(_wire(moved), src=leader)
-        return moved.cpu() if moved is not tensor else tensor
-    coordinate = mesh.get_coordinate()
-    for dim in range(mesh.ndim):
-        # ranks whose coordinates past ``dim`` are 0 hold the tensor from the dimensions before; pass it along ``dim``
-        if all(c == 0 for c in coordinate[dim + 1:]) and mesh.size(dim) > 1:
-            dist.broadcast(_wire(moved), group=mesh.get_group(dim), group_src=0)
+    if to == "all":
+        coordinate = mesh.get_coordinate()
+        for dim in range(mesh.ndim):
+            # ranks whose coordinates past ``dim`` are 0 hold it from the dimensions before; pass it along ``dim``
+            if all(c == 0 for c in coordinate[dim + 1:]) and mesh.size(dim) > 1:
+                dist.broadcast(_wire(moved), group=mesh.get_group(dim), group_src=0)
+    elif me == leader:
+        dist.send(_wire(moved), dst=to)
+    else:
+        dist.recv(_wire(moved), src=leader)
     return moved.cpu() if moved is not tensor else tensor
