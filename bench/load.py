@@ -110,10 +110,10 @@ def warm_imports() -> None:
     get_checkpoint_conversion_mapping("mixtral")  # builds every family's table once per process
 
 
-def measure(load) -> dict:
-    """Wall time of ``load()``, and the peak growth of private and of file-backed memory while it runs,
-    sampled every 10 ms (the loaded model is kept until the sampling ends, so its memory counts)."""
-    warm_imports()
+def peak_growth(fn, every: float = 0.01) -> tuple[object, float, int, int]:
+    """``fn()``'s result, its wall time, and the peak growth (KiB) of private and of file-backed resident memory
+    while it runs, sampled every ``every`` seconds (what it returns is kept until the sampling ends, so a loaded
+    model's memory counts)."""
     base_anon, base_file = memory_kib()
     peak = [0, 0]
     done = threading.Event()
@@ -122,18 +122,27 @@ def measure(load) -> dict:
         while True:
             anon, file = memory_kib()
             peak[0], peak[1] = max(peak[0], anon - base_anon), max(peak[1], file - base_file)
-            if done.wait(0.01):
+            if done.wait(every):
                 return
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     start = time.perf_counter()
-    model, local_bytes = load()
-    wall = time.perf_counter() - start
-    done.set()
-    sampler.join()
+    try:
+        result = fn()
+        wall = time.perf_counter() - start
+    finally:
+        done.set()
+        sampler.join()
     anon, file = memory_kib()
-    peak[0], peak[1] = max(peak[0], anon - base_anon), max(peak[1], file - base_file)
+    return result, wall, max(peak[0], anon - base_anon), max(peak[1], file - base_file)
+
+
+def measure(load) -> dict:
+    """Wall time of ``load()``, and the peak growth of private and of file-backed memory while it runs,
+    sampled every 10 ms (the loaded model is kept until the sampling ends, so its memory counts)."""
+    warm_imports()
+    (model, local_bytes), wall, *peak = peak_growth(load)
     report = getattr(model, "hf_moe_tp_load", None)  # ours: the checkpoint pass alone, without building the model
     del model
     return {

@@ -25,7 +25,7 @@ import torch
 
 from bench.allocator import user_env
 from bench.collectives import rotated_medians
-from bench.load import make_checkpoint, memory_kib
+from bench.load import make_checkpoint, peak_growth
 from hf_moe_tp.runtime.launch import run_on_ranks
 
 DEFAULT_DIR = Path.home() / ".cache/hf_moe_tp/bench-mixtral-1.5g"
@@ -33,30 +33,11 @@ VARIANTS = ("stream to every rank", "stream to rank 0", "save_pretrained + read 
 
 
 def peak_anon_rise(fn) -> int:
-    """The highest rise of this process's anonymous resident memory above the start while ``fn()`` runs, sampled
-    every 5 ms. (The allocator events torch.profiler records miss frees done on gloo's threads, which made live
-    bytes look like they only grew.) Tensors this large are mapped and unmapped whole by glibc, so what is freed
-    leaves the count."""
-    import threading
-
-    base, _ = memory_kib()
-    peak = [0]
-    done = threading.Event()
-
-    def sample() -> None:
-        while True:
-            peak[0] = max(peak[0], memory_kib()[0] - base)
-            if done.wait(0.005):
-                return
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        fn()
-    finally:
-        done.set()
-        sampler.join()
-    return max(peak[0], memory_kib()[0] - base) * 1024
+    """The highest rise of this process's anonymous resident memory above the start while ``fn()`` runs, in bytes,
+    sampled every 5 ms (bench/load.py's sampler). (The allocator events torch.profiler records miss frees done on
+    gloo's threads, which made live bytes look like they only grew.) Tensors this large are mapped and unmapped
+    whole by glibc, so what is freed leaves the count."""
+    return peak_growth(fn, every=0.005)[2] * 1024
 
 
 def bench_rank(path: str, dtype_name: str, repeats: int, scratch: str) -> dict:
