@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 import hf_moe_tp
 from hf_moe_tp.checkpoint.files import INDEX_FILE, SINGLE_FILE
+from hf_moe_tp.runtime.launch import _free_port
 
 TOL = 1e-5
 IDS = torch.arange(2, 18).reshape(2, 8)
@@ -139,14 +140,6 @@ def test_streamed_into_an_engine_outside_the_job(ranks, tmp_path):
         assert r["sent"] == (len(received) if r is results["out"][0] else 0)
         assert (r["logits"] - logits).abs().max().item() <= TOL
     assert (plain(IDS).logits - AutoModelForCausalLM.from_pretrained(path)(IDS).logits).abs().max() > 1e-3
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _failing(path: str) -> dict:
