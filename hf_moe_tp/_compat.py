@@ -79,7 +79,9 @@ PRIVATE: dict[str, Private] = {p.path: p for p in (
 # Attributes transformers reads from a model or config (its protocol for models it sharded at load time), set or
 # read by us: checked on the releases above.
 MODEL_TP_SIZE = "_tp_size"
-MODEL_DEVICE_MESH = "_device_mesh"  # the TP mesh continuous batching (its DistributedHelper) and PEFT read
+MODEL_DEVICE_MESH = "_device_mesh"  # (pp, fsdp, tp): continuous batching (its DistributedHelper) and PEFT read it
+MODEL_MESH_MANAGER = "_mesh_manager"  # its get_mesh(dims): transformers' dense and expert meshes
+MODEL_FSDP_SIZE = "_fsdp_size"
 MODEL_LOADED_DISTRIBUTED = "_is_distributed_loading_by_transformers"
 MODEL_FSDP_MANAGED = "_is_fsdp_managed_module"
 MODEL_FSDP_PLAN = "_fsdp_plan"

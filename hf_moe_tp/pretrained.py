@@ -27,7 +27,6 @@ from .checkpoint.loading import LoadReport, load_checkpoint
 from .checkpoint.saving import bind_save_pretrained
 from .integrations.hf_arguments import Resolved, refuse, resolve
 from .integrations.switch import enable
-from .integrations.trainer import declare_layout
 from .parallel import plans
 from .parallel.balancing_loss import global_balancing_loss
 from .parallel.config import ParallelConfig, has_replicas
@@ -38,7 +37,7 @@ from .parallel.fsdp import divide_expert_gradients, shard_data_parallel
 from .parallel.hf_plan import matches
 from .parallel.input_check import check_inputs_on, check_mode
 from .parallel.load_balance import balance_experts
-from .parallel.meshes import Layout, init_process_group, mesh_device, resolve_layout
+from .parallel.meshes import Layout, declare, init_process_group, mesh_device, resolve_layout
 from .parallel.randomness import generate_on_leader_state, same_draws_in_training
 from .parallel.resize import bind_resize
 from .runtime import agreement
@@ -345,7 +344,8 @@ def read(model: nn.Module, args: Resolved, layout: Layout, parallel: ParallelCon
 def wrap(model: nn.Module, layout: Layout, parallel: ParallelConfig, timeout: float | None = None) -> None:
     """What a loaded ``model`` does beyond its forward: expert gradients divided under FSDP2, the expert-bias
     update, the balancing term of the global batch, ``save_pretrained``, ``resize_token_embeddings``, continuous
-    batching, its layout declared to the Trainer and accelerate, failed collectives explained, and (last, so its
+    batching, its layout declared in transformers' terms (for its Trainer, accelerate, continuous batching, PEFT),
+    failed collectives explained, and (last, so its
     hook runs first) the input check."""
     if layout.dp is not None:
         divide_expert_gradients(model)
@@ -354,10 +354,19 @@ def wrap(model: nn.Module, layout: Layout, parallel: ParallelConfig, timeout: fl
     global_balancing_loss(model, parallel.balancing_loss)
     bind_save_pretrained(model)
     bind_resize(model)
+    declare(model, layout, _ep_size(model, layout))  # to transformers, its Trainer and accelerate
     bind_continuous_batching(model, layout, dist.get_world_size() if dist.is_initialized() else 1)
-    declare_layout(model, layout)  # to transformers' Trainer and accelerate
     explain_collective_failures(model, [layout.tp, layout.ep, layout.dp], timeout)
     check_inputs_on(model, layout.tp, parallel.check_inputs)
+
+
+def _ep_size(model: nn.Module, layout: Layout) -> int:
+    """The ranks ``model``'s experts are split over: an ``(ep, tp)`` mesh's ep size, the TP size where the plan
+    gives them ``ExpertParallel`` on the TP mesh, else 1."""
+    if layout.ep is not None:
+        return layout.ep["ep"].size()
+    styles = (getattr(model, "hf_moe_tp_plan", None) or {}).values()
+    return layout.tp.size() if any(isinstance(s, ExpertParallel) for s in styles) else 1
 
 
 def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle | str],

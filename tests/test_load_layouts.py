@@ -51,11 +51,42 @@ def _load(path: str, reference: str, kwargs: dict) -> dict:
     model = hf_moe_tp.from_pretrained(path, **kwargs)
     wrong, held = compare_shards(model, reference_tensors(model, reference))
     report = model.hf_moe_tp_load
+    meshes = model._mesh_manager  # transformers' view of the layout, as its own models sharded at load time carry it
+    declared = {name: dist.get_process_group_ranks(meshes.get_mesh(name).get_group()) for name in DECLARED}
+    config = model.config.distributed_config
     return {"wrong": wrong, "held": held, "read": report.bytes_read, "received": report.bytes_received,
-            "rank": dist.get_rank(), "checkpoint": sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))}
+            "rank": dist.get_rank(), "checkpoint": sum(f.stat().st_size for f in Path(path).glob("*.safetensors")),
+            "declared": declared, "names": model._device_mesh.mesh_dim_names,
+            "sizes": (config.dp_replicate_size, config.fsdp_size, config.tp_size, config.ep_size, model.fsdp_size),
+            "ep": (dist.get_process_group_ranks(meshes.get_mesh("ep").get_group())
+                   if config.ep_size > 1 else None)}
+
+
+DECLARED = ("dp_replicate", "fsdp", "tp")
+# (dp_replicate, fsdp, tp, ep) sizes of each layout, ranks arranged row-major in that order
+SIZES = {"tp4": (1, 1, 4, 1), "dp4": (1, 4, 1, 1), "dp2_tp2": (1, 2, 2, 1), "dp2_ep2": (1, 2, 2, 2),
+         "dp_replicate2_dp2": (2, 2, 1, 1), "dp_replicate2_dp2_read_once": (2, 2, 1, 1),
+         "dp_replicate2_dp2_tp2_read_once": (2, 2, 2, 1)}
+
+
+def _check_declared(results: list[dict], layout: str) -> None:
+    """Each rank's transformers meshes (``_mesh_manager``, ``_device_mesh``) hold the ranks the layout puts beside
+    it, and ``config.distributed_config`` its sizes."""
+    replicate, shard, tp, ep = SIZES[layout]
+    grid = list(range(len(results)))
+    for r in results:
+        i, j, k = r["rank"] // (shard * tp), r["rank"] // tp % shard, r["rank"] % tp
+        lines = {"dp_replicate": [grid[x * shard * tp + j * tp + k] for x in range(replicate)],
+                 "fsdp": [grid[i * shard * tp + x * tp + k] for x in range(shard)],
+                 "tp": [grid[i * shard * tp + j * tp + x] for x in range(tp)]}
+        assert r["declared"] == lines and r["names"] == ("pp", "fsdp", "tp"), r
+        assert r["sizes"] == (replicate, shard, tp, ep, shard), r
+        assert r["ep"] == (lines["tp"] if ep > 1 else None), r  # experts over the TP ranks
 
 
 def _check(results: list[dict], layout: str) -> None:
+    if layout in SIZES:
+        _check_declared(results, layout)
     for r in results:
         assert r["wrong"] == [], r
         if layout.endswith("read_once") and r["rank"] >= len(results) // 2:  # the second replica (outermost dim)
@@ -75,6 +106,12 @@ def test_read_once_broadcasts_each_shard(ranks, checkpoints, kind):
     transformers' values, received from its peer of the first."""
     layout = "dp_replicate2_dp2_read_once"
     _check(ranks(4).run(_load, *checkpoints(kind), LAYOUTS[layout]), layout)
+
+
+@pytest.mark.parametrize("layout", ["tp4", "dp2_ep2"])
+def test_other_layouts_declare_transformers_meshes(ranks, checkpoints, layout):
+    """The layouts the tests above do not load: exact shards, reads within each rank's, transformers' meshes."""
+    _check(ranks(4).run(_load, *checkpoints("qwen3_moe"), LAYOUTS[layout]), layout)
 
 
 @pytest.mark.slow
@@ -120,7 +157,7 @@ def test_inspect_predicts_each_ranks_shards_and_reads(ranks, checkpoints, layout
 
 
 def test_inspect_a_config_alone_at_training_scale(tmp_path):
-    """A config without weights (no download) at dp_shard 8 x tp 8: every rank holds about 1/64 of the model,
+    """A config without weights (no download) at fsdp 8 x tp 8: every rank holds about 1/64 of the model,
     reads what it holds, and the job reads the model once."""
     from transformers import Qwen3MoeConfig
 
@@ -131,9 +168,9 @@ def test_inspect_a_config_alone_at_training_scale(tmp_path):
                             num_experts=8, num_experts_per_tok=2)  # every split divides by 8
     config.save_pretrained(tmp_path)
     report = inspect_checkpoint(tmp_path / "config.json", 8, fsdp=8)
-    assert not report.weights and report.layout == {"dp_shard": 8, "tp": 8}
+    assert not report.weights and report.layout == {"fsdp": 8, "tp": 8}
     assert report.rank_disk_bytes is not None and len(report.rank_bytes) == 64
-    # norms are replicated inside each TP group (FSDP-sharded over dp_shard): a little over 1/64 per rank
+    # norms are replicated inside each TP group (FSDP-sharded over fsdp): a little over 1/64 per rank
     assert max(report.rank_bytes) <= report.total_bytes / 64 * 1.05, (max(report.rank_bytes), report.total_bytes)
     assert all(read >= held for read, held in zip(report.rank_disk_bytes, report.rank_bytes, strict=True))
     assert report.total_bytes <= sum(report.rank_disk_bytes) <= report.total_bytes * 1.05

@@ -38,11 +38,8 @@ KNOWN = {
     "test_fsdp2_sharding_structure_1_tied":
         "tied embeddings (one parameter) stay in the root unit; transformers wraps the embedding alone and ties the "
         "head to it again after loading",
-    "test_fsdp2_expert_parallel_2d_vs_ddp":
-        "no transformers mesh protocol: model.fsdp_size, _device_mesh (pp, fsdp, tp)",
     "test_fsdp2_expert_parallel_bf16_grads_0_experts_sharded":
         "ep_size=2 inside fsdp_size=4 at a TP size of 1 (transformers' efsdp) is refused by name",
-    "test_fsdp2_expert_parallel_bf16_grads_1_experts_not_sharded": "no transformers mesh protocol: _device_mesh",
     # fail on plain transformers too (HF_SUITE_MODE=transformers), for the same reason
     **{f"dots3_note_text-{name}": "fails on plain transformers too: the mixin reads config.num_attention_heads / "
        "head_dim, per-layer attributes of this config (AmbiguousGlobalPerLayerAttributeError)"

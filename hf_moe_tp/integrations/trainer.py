@@ -1,12 +1,12 @@
 """transformers' ``Trainer`` (and accelerate under it) on hf_moe_tp models.
 
-A loaded model declares its layout the way transformers' own models sharded at load time
-(``DistributedConfig``) do: ``_tp_size`` (the ranks that share a batch), ``config.distributed_config`` (its
-data-parallel size) and ``is_distributed_loading_by_transformers`` (it owns its placement and gradient
-reduction). From that the Trainer, unchanged, builds accelerate's ``ParallelismConfig(tp_size, dp_shard_size)``,
-whose dataloader hands the ranks of a TP group the same batches and the data-parallel ranks different ones;
-it neither moves the model nor wraps it in DDP, scales the loss and clips the norm as for its own TP models,
-and keeps every rank in ``save_model`` (``model.save_pretrained`` is :func:`hf_moe_tp.save_pretrained`).
+A loaded model declares its layout the way transformers' own models sharded at load time (``DistributedConfig``) do
+(:func:`hf_moe_tp.parallel.meshes.declare`): ``_tp_size`` (the ranks that share a batch), ``config.distributed_config``
+(its data-parallel size) and ``is_distributed_loading_by_transformers`` (it owns its placement and gradient reduction).
+From that the Trainer, unchanged, builds accelerate's ``ParallelismConfig(tp_size, dp_shard_size)``, whose dataloader
+hands the ranks of a TP group the same batches and the data-parallel ranks different ones; it neither moves the model
+nor wraps it in DDP, scales the loss and clips the norm as for its own TP models, and keeps every rank in ``save_model``
+(``model.save_pretrained`` is :func:`hf_moe_tp.save_pretrained`).
 
 What the Trainer gets wrong for such models is mended here, for hf_moe_tp models only:
 
@@ -48,7 +48,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .._compat import (
-    MODEL_LOADED_DISTRIBUTED,
     MODEL_TP_SIZE,
     TRAINER_LOAD_BEST,
     TRAINER_LOAD_CHECKPOINT,
@@ -56,30 +55,14 @@ from .._compat import (
     TRAINER_SAVE_OPTIMIZER,
 )
 from ..parallel.balancing_loss import trainer_loss_scale
-from ..parallel.expert_parallel import ExpertParallel
 from ..parallel.load_balance import STATE as EXPERT_LOAD_STATE
 from ..parallel.load_balance import expert_load, load_summary
 from ..parallel.loss import loss_only
-from ..parallel.meshes import Layout
 
 TRAINER_MODULE = "transformers.trainer"
 STATE_DIR = "hf_moe_tp_state"  # the DCP checkpoint inside a Trainer checkpoint folder
 
 _installed = False
-
-
-def declare_layout(model: nn.Module, layout: Layout) -> None:
-    """Set the attributes transformers' Trainer and accelerate read from a model sharded at load time, and
-    install the shims (once per process)."""
-    from transformers.distributed import DistributedConfig
-
-    tp = layout.tp.size()
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    replicate = layout.dp.size(0) if layout.dp is not None and layout.dp.ndim == 2 else 1
-    setattr(model, MODEL_TP_SIZE, tp)
-    setattr(model, MODEL_LOADED_DISTRIBUTED, True)
-    model.config.distributed_config = DistributedConfig(tp_size=tp, fsdp_size=world // tp // replicate,
-                                                        dp_replicate_size=replicate)
 
 
 def is_hf_moe_tp_model(model: Any) -> bool:
@@ -246,12 +229,7 @@ def reference_like_policy(args: Any, model: nn.Module) -> None:
     kwargs = dict(args.model_init_kwargs or {})
     if {"distributed_config", "tp_plan", "device_mesh"} & set(kwargs):
         return
-    config = copy.copy(model.config.distributed_config)
-    ep_mesh = getattr(model, "hf_moe_tp_ep_mesh", None)
-    if ep_mesh is not None:
-        config.ep_size = ep_mesh["ep"].size()
-    elif any(isinstance(style, ExpertParallel) for style in (getattr(model, "hf_moe_tp_plan", None) or {}).values()):
-        config.ep_size = config.tp_size
+    config = copy.copy(model.config.distributed_config)  # its ep_size included (hf_moe_tp.parallel.meshes.declare)
     args.model_init_kwargs = {**kwargs, "distributed_config": config}
     from .install import install
 

@@ -2,10 +2,11 @@
 ``transformers serve`` and TRL's ``use_transformers_paged=True`` use) on a loaded model.
 
 transformers runs it tensor-parallel by itself once it knows the model's TP mesh: its ``DistributedHelper`` reads
-``model._device_mesh`` and ``model.tp_plan``, sizes the paged cache for each rank's own key/value heads when the
-plan splits ``k_proj`` / ``v_proj``, and lets TP rank 0 own the request queue and broadcast every scheduling
-decision, so all ranks of the group run the same batches (our input check still compares them). We declare the
-mesh where every rank of the world runs the same batches (TP, and EP over the TP ranks).
+``model._device_mesh`` (declared with the layout: :func:`hf_moe_tp.parallel.meshes.declare`) and ``model.tp_plan``,
+sizes the paged cache for each rank's own key/value heads when the plan splits ``k_proj`` / ``v_proj``, and lets TP rank
+0 own the request queue and broadcast every scheduling decision, so all ranks of the group run the same batches (our
+input check still compares them). That works where every rank of the world runs the same batches (TP, and EP over the TP
+ranks).
 
 Two things are ours:
 
@@ -30,24 +31,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._compat import MODEL_DEVICE_MESH
 from .meshes import Layout
 
 CPU_MEMORY_PERCENT, ACCELERATOR_MEMORY_PERCENT = 0.6, 0.8  # transformers' defaults (lower on CPU: shared with RAM)
 
 
 def bind_continuous_batching(model: nn.Module, layout: Layout, world: int) -> None:
-    """Let transformers' continuous batching see ``model``'s TP mesh (``layout.tp``) and size its cache for the
-    ranks sharing a device, or, where the ranks of the ``world`` hold different batches, make
-    ``init_continuous_batching`` (and with it ``generate_batch`` and ``continuous_batching_context_manager``,
-    which call it) raise on every rank alike."""
+    """Let transformers' continuous batching size its cache for the ranks sharing a device, or, where the ranks
+    of the ``world`` hold different batches, make ``init_continuous_batching`` (and with it ``generate_batch`` and
+    ``continuous_batching_context_manager``, which call it) raise on every rank alike."""
     init = getattr(model, "init_continuous_batching", None)
     if world <= 1 or not callable(init):
         return
     if layout.dp is not None or layout.ep is not None:
         _refuse(model, "an (ep, tp) mesh" if layout.ep is not None else "FSDP2 / HSDP over data-parallel ranks")
         return
-    setattr(model, MODEL_DEVICE_MESH, layout.tp)
     init = init.__func__
 
     def shared(self: nn.Module, generation_config: Any = None, continuous_batching_config: Any = None,

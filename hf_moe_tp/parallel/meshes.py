@@ -1,13 +1,18 @@
 """Device meshes: which ranks split attention and experts (``tp``, ``ep``) and which hold different batches
-(``dp_shard``, ``dp_replicate``), from a user's mesh or from sizes.
+(``fsdp``, ``dp_replicate``), from a user's mesh or from sizes; and the same layout in transformers' terms.
 
 Layouts (world = product of the sizes):
 
 - ``(tp,)``: everything tensor-parallel; experts ``TensorParallel``, or ``ExpertParallel`` over the same ranks.
-- ``(dp_shard, tp)`` and ``(dp_replicate, dp_shard, tp)``: that, inside each data-parallel replica, with FSDP2
+- ``(fsdp, tp)`` and ``(dp_replicate, fsdp, tp)``: that, inside each data-parallel replica, with FSDP2
   (HSDP with a replicate dimension) over the data-parallel dimensions, experts included.
 - ``(ep, tp)``: attention over ``tp``, whole experts over ``ep``; each ep coordinate holds its own batch, so
   ``ep`` is also the data-parallel dimension of the dense layers (FSDP2 over it with ``fsdp_size`` = ep).
+
+A user's mesh may name its shard dimension ``dp_shard`` or ``dp`` (torchtitan's, accelerate's names) instead of
+transformers' ``fsdp``. Whatever the layout, a loaded model also carries transformers' own view of it
+(:func:`declare`): the meshes and sizes transformers' models sharded at load time carry, which its Trainer,
+continuous batching, PEFT and its tests read.
 """
 
 from __future__ import annotations
@@ -20,7 +25,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .._compat import root_mesh
+from .._compat import (
+    MODEL_DEVICE_MESH,
+    MODEL_FSDP_SIZE,
+    MODEL_LOADED_DISTRIBUTED,
+    MODEL_MESH_MANAGER,
+    MODEL_TP_SIZE,
+    root_mesh,
+)
 from ..runtime.timeouts import DEFAULT_TIMEOUT_S
 
 # Mesh dimension names, as torchtitan, accelerate and transformers spell them.
@@ -37,7 +49,7 @@ def data_parallel_mesh(device_mesh: DeviceMesh) -> DeviceMesh | None:
     if len(shard) > 1:
         raise ValueError(f"device_mesh names {names}: more than one data-parallel shard dimension ({shard})")
     if replicate and not shard:
-        raise ValueError(f"device_mesh names {names}: HSDP needs a shard dimension ('dp_shard') beside "
+        raise ValueError(f"device_mesh names {names}: HSDP needs a shard dimension ('fsdp') beside "
                          f"'dp_replicate' (of size 1 for plain replication)")
     dims = tuple(replicate + shard)
     if not dims:
@@ -100,9 +112,120 @@ def resolve_layout(device_mesh: DeviceMesh | None = None, ep_size: int | None = 
     return Layout(tp, None, dp)
 
 
+def declare(model: torch.nn.Module, layout: Layout, ep_size: int = 1) -> None:
+    """Give ``model`` transformers' description of ``layout``, as its models sharded at load time carry it:
+    ``config.distributed_config`` (a ``DistributedConfig`` of the layout's sizes), ``_tp_size``, ``_fsdp_size``,
+    ``_mesh_manager`` (:class:`TransformersMeshes`) and ``_device_mesh`` (its (pp, fsdp, tp) view), and
+    ``is_distributed_loading_by_transformers``. The meshes are views over the layout's own process groups (no new
+    ones but, once per process, this rank's group of one for dimensions of size 1).
+
+    ``ep_size``: the ranks whole experts are split over (the TP size for EP over the TP ranks). It is declared in the
+    ``DistributedConfig`` where it means what transformers means by it (experts over the TP ranks, or at a TP size
+    of 1 over the ranks holding different batches), 1 elsewhere."""
+    from transformers.distributed import DistributedConfig
+
+    world = _world(layout)
+    pp, replicate, shard, tp = world.shape
+    groups = _groups(layout)
+    dense = _view(world, ("pp", "dp_replicate", "fsdp", "tp"), groups, layout.tp.device_type)
+    if layout.ep is not None:  # (ep, tp): ranks of one ep coordinate hold the same experts (replicas, not shards)
+        experts = _view(layout.ep.mesh.T.reshape(1, 1, tp, -1), EXPERT_DIMS, groups, layout.tp.device_type)
+    elif ep_size == tp:
+        experts = _view(world, EXPERT_DIMS, groups, layout.tp.device_type)
+    else:
+        experts = None
+    transformers_like = layout.ep is None or tp == 1  # experts over the TP ranks, or over all the batch ranks
+    declared_ep = ep_size if transformers_like and ep_size % tp == 0 and (shard * tp) % ep_size == 0 else 1
+    model.config.distributed_config = DistributedConfig(tp_size=tp, fsdp_size=shard, dp_replicate_size=replicate,
+                                                        ep_size=declared_ep)
+    setattr(model, MODEL_TP_SIZE, tp)
+    setattr(model, MODEL_FSDP_SIZE, shard)
+    setattr(model, MODEL_MESH_MANAGER, TransformersMeshes(dense, experts))
+    setattr(model, MODEL_DEVICE_MESH, dense["pp", "fsdp", "tp"])
+    setattr(model, MODEL_LOADED_DISTRIBUTED, True)
+
+
+EXPERT_DIMS = ("pp", "dp_replicate", "efsdp", "ep")
+
+
+@dataclass
+class TransformersMeshes:
+    """A loaded model's meshes as transformers' models sharded at load time hold them (``model._mesh_manager``,
+    whose ``get_mesh`` transformers and its tests call): ``dense`` (pp, dp_replicate, fsdp, tp) for attention,
+    dense layers and embeddings; ``experts`` (pp, dp_replicate, efsdp, ep) where experts are split whole over
+    ranks (on an ``(ep, tp)`` mesh, ``efsdp`` holds the ranks with the same experts: replicas here, where
+    transformers shards them), None otherwise."""
+
+    dense: DeviceMesh
+    experts: DeviceMesh | None = None
+
+    def get_mesh(self, dims: str | tuple[str, ...]) -> DeviceMesh:
+        """The view of ``dims`` (a name or a tuple of names): of the expert mesh for ``ep`` / ``efsdp``, else of the
+        dense mesh."""
+        dims = (dims,) if isinstance(dims, str) else tuple(dims)
+        if "ep" in dims or "efsdp" in dims:
+            if self.experts is None:
+                raise ValueError(f"get_mesh({dims}): this model's experts are not split whole over ranks (no expert "
+                                 f"parallelism), so it has no expert mesh")
+            return self.experts[dims]
+        return self.dense[dims]
+
+
+def _groups(layout: Layout) -> list[dist.ProcessGroup]:
+    """Every process group of ``layout``'s meshes (and of the mesh its TP mesh was cut from), and the world's."""
+    meshes = [m for m in (layout.tp, layout.ep, layout.dp, root_mesh(layout.tp)) if m is not None]
+    return [dist.group.WORLD] + [g for m in meshes for g in m.get_all_groups()]
+
+
+def _view(ranks: torch.Tensor, names: tuple[str, ...], groups: list[dist.ProcessGroup], device: str) -> DeviceMesh:
+    """A mesh of ``ranks`` named ``names`` over existing ``groups``: for each dimension the group holding this
+    rank's line of ``ranks`` in that order (this rank alone for a line of one). Where none does (a user's mesh
+    arranged otherwise), a mesh with groups of its own."""
+    where = (ranks == dist.get_rank()).nonzero()[0].tolist()
+    found = []
+    for dim in range(ranks.ndim):
+        line = ranks[tuple(slice(None) if d == dim else i for d, i in enumerate(where))].tolist()
+        group = _alone() if len(line) == 1 else next(
+            (g for g in groups if dist.get_process_group_ranks(g) == line), None)
+        if group is None:
+            return DeviceMesh(device, ranks, mesh_dim_names=names)
+        found.append(group)
+    return DeviceMesh.from_group(found, device, ranks, mesh_dim_names=names)
+
+
+_singles: dict[int, dist.ProcessGroup] = {}
+
+
+def _alone() -> dist.ProcessGroup:
+    """This rank's group of one (made once per world; only this rank takes part)."""
+    key = id(dist.group.WORLD)
+    if key not in _singles:
+        _singles.clear()
+        _singles[key] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    return _singles[key]
+
+
+def _world(layout: Layout) -> torch.Tensor:
+    """Every rank of the world, arranged (pp, dp_replicate, fsdp, tp) as ``layout`` arranges them: ``tp`` the
+    ranks of one TP group, ``fsdp`` those holding different batches inside a replica (a mesh's shard dimension,
+    an ``(ep, tp)`` mesh's ``ep``, any other dimension of a user's mesh beside ``tp``), ``pp`` a dimension so named."""
+    if layout.ep is not None:
+        return layout.ep.mesh.reshape(1, 1, *layout.ep.mesh.shape)
+    root = root_mesh(layout.tp)
+    names = list(root.mesh_dim_names or ())
+    if root.ndim == 1 or "tp" not in names:
+        return layout.tp.mesh.reshape(1, 1, 1, -1)
+    pp = [names.index(n) for n in names if n == "pp"]
+    replicate = [names.index(n) for n in names if n in DP_REPLICATE_NAMES]
+    rest = [i for i, n in enumerate(names) if i not in pp + replicate and n != "tp"]
+    shape = (root.mesh.shape[pp[0]] if pp else 1, root.mesh.shape[replicate[0]] if replicate else 1, -1,
+             root.mesh.shape[names.index("tp")])
+    return root.mesh.permute(pp + replicate + rest + [names.index("tp")]).reshape(shape)
+
+
 def data_parallel_rank(model) -> tuple[int, int]:
     """``(index, count)``: which of the data-parallel batches this rank of a loaded ``model`` takes, and how many
-    there are, on every layout: 0 of 1 at TP or EP over the TP ranks; the ``dp_shard`` coordinate under FSDP;
+    there are, on every layout: 0 of 1 at TP or EP over the TP ranks; the ``fsdp`` coordinate under FSDP;
     ``replicate * shard_size + shard`` under HSDP (the data-parallel mesh is 2-D there); the ``ep`` coordinate on
     an ``(ep, tp)`` mesh, whose ep ranks hold different batches. Ranks of one TP group get the same index."""
     dp = _batch_mesh(model)
@@ -147,8 +270,8 @@ def _data_parallel_mesh(ep_size: int | None, fsdp_size: int, dp_replicate_size: 
                          f"fsdp_size")
     if dp_replicate_size > 1:
         return init_device_mesh(device, (dp_replicate_size, fsdp_size, tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-    return init_device_mesh(device, (fsdp_size, tp), mesh_dim_names=("dp_shard", "tp"))
+                                mesh_dim_names=("dp_replicate", "fsdp", "tp"))
+    return init_device_mesh(device, (fsdp_size, tp), mesh_dim_names=("fsdp", "tp"))
 
 
 def _check_sizes(mesh: DeviceMesh, dp: DeviceMesh, fsdp_size: int, dp_replicate_size: int) -> None:
