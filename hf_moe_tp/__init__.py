@@ -26,6 +26,7 @@ _EXPORTS = {
     "ParallelConfig": "parallel.config",
     "TensorParallel": "parallel.styles",
     "apply_plan": "pretrained",
+    "clip_grad_norm_": "parallel.grad_norm",
     "data_parallel_rank": "parallel.meshes",
     "expert_load": "parallel.load_balance",
     "from_pretrained": "pretrained",
@@ -51,6 +52,7 @@ __all__ = [
     "ParallelConfig",
     "TensorParallel",
     "apply_plan",
+    "clip_grad_norm_",
     "data_parallel_rank",
     "expert_load",
     "from_pretrained",
@@ -89,6 +91,7 @@ if TYPE_CHECKING:
     from .parallel.config import ParallelConfig
     from .parallel.expert_parallel import ExpertParallel
     from .parallel.experts import ExpertActivation, GroupedExperts
+    from .parallel.grad_norm import clip_grad_norm_
     from .parallel.grouped_matmul import grouped_mm
     from .parallel.load_balance import expert_load, load_summary, track_expert_load
     from .parallel.meshes import data_parallel_rank

@@ -247,7 +247,7 @@ def make_layout(parallel: ParallelConfig, device_mesh: DeviceMesh | None = None,
     check_mode(parallel.check_inputs)  # the environment variable's mode too
     layout = resolve_layout(device_mesh, parallel.ep_size, parallel.fsdp_size, parallel.dp_replicate_size)
     if timeout is not None:
-        set_timeout([layout.tp, layout.ep, layout.dp], timeout)
+        set_timeout([layout.tp, layout.ep, layout.dp, layout.expert_dp], timeout)
     parallel.check_layout(layout)
     return layout
 
@@ -319,7 +319,8 @@ def place(model: nn.Module, plan: dict[str, ParallelStyle], layout: Layout, para
     model.hf_moe_tp_plan = plan
     setattr(model, MODEL_TP_PLAN, plans.described(model, plan))  # what transformers' readers of its plan see
     if layout.dp is not None:  # each rank then reads its FSDP shards
-        shard_data_parallel(model, layout.dp, mp_policy=parallel.mp_policy, offload_policy=parallel.offload_policy)
+        shard_data_parallel(model, layout.dp, mp_policy=parallel.mp_policy, offload_policy=parallel.offload_policy,
+                            expert_mesh=layout.expert_dp)
 
 
 def read(model: nn.Module, args: Resolved, layout: Layout, parallel: ParallelConfig, *, threads: int | None = None,
@@ -356,7 +357,7 @@ def wrap(model: nn.Module, layout: Layout, parallel: ParallelConfig, timeout: fl
     bind_resize(model)
     declare(model, layout, _ep_size(model, layout))  # to transformers, its Trainer and accelerate
     bind_continuous_batching(model, layout, dist.get_world_size() if dist.is_initialized() else 1)
-    explain_collective_failures(model, [layout.tp, layout.ep, layout.dp], timeout)
+    explain_collective_failures(model, [layout.tp, layout.ep, layout.dp, layout.expert_dp], timeout)
     check_inputs_on(model, layout.tp, parallel.check_inputs)
 
 

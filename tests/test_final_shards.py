@@ -27,6 +27,10 @@ LAYOUTS = {  # world size, from_pretrained's arguments
     "dp4_tp2": (8, dict(fsdp_size=4)),
     "dp2_tp4": (8, dict(fsdp_size=2)),
     "dp4_ep2_tp2": (8, dict(fsdp_size=4, ep_size=2)),
+    # TP size 1, transformers' efsdp: experts over ep ranks, FSDP2-sharded over the groups (or the replicas)
+    "efsdp2_ep2": (4, dict(fsdp_size=4, ep_size=2)),
+    "dp_replicate2_ep2": (4, dict(dp_replicate_size=2, fsdp_size=2, ep_size=2, read_once=False)),
+    "dp_replicate2_efsdp2_ep2": (8, dict(dp_replicate_size=2, fsdp_size=4, ep_size=2, read_once=False)),
 }
 ALIGNMENT = 0.02  # reads beyond what a rank holds (as in test_load_layouts.py)
 

@@ -24,6 +24,7 @@ LAYOUTS = {
     "dp2_ep2": dict(fsdp_size=2, ep_size=2),
     "dp_replicate2_dp2": dict(dp_replicate_size=2, fsdp_size=2, read_once=False),
     "dp_replicate2_dp2_read_once": dict(dp_replicate_size=2, fsdp_size=2, read_once=True),
+    "efsdp2_ep2": dict(fsdp_size=4, ep_size=2),  # transformers' efsdp: experts over pairs, FSDP2 over the pairs
 }
 ALIGNMENT = 0.02  # reads beyond what a rank holds: quantized blocks a shard cuts, read on both sides
 
@@ -66,7 +67,7 @@ DECLARED = ("dp_replicate", "fsdp", "tp")
 # (dp_replicate, fsdp, tp, ep) sizes of each layout, ranks arranged row-major in that order
 SIZES = {"tp4": (1, 1, 4, 1), "dp4": (1, 4, 1, 1), "dp2_tp2": (1, 2, 2, 1), "dp2_ep2": (1, 2, 2, 2),
          "dp_replicate2_dp2": (2, 2, 1, 1), "dp_replicate2_dp2_read_once": (2, 2, 1, 1),
-         "dp_replicate2_dp2_tp2_read_once": (2, 2, 2, 1)}
+         "dp_replicate2_dp2_tp2_read_once": (2, 2, 2, 1), "efsdp2_ep2": (1, 4, 1, 2)}
 
 
 def _check_declared(results: list[dict], layout: str) -> None:
@@ -81,7 +82,9 @@ def _check_declared(results: list[dict], layout: str) -> None:
                  "tp": [grid[i * shard * tp + j * tp + x] for x in range(tp)]}
         assert r["declared"] == lines and r["names"] == ("pp", "fsdp", "tp"), r
         assert r["sizes"] == (replicate, shard, tp, ep, shard), r
-        assert r["ep"] == (lines["tp"] if ep > 1 else None), r  # experts over the TP ranks
+        # experts over the TP ranks, or at a TP size of 1 over consecutive data-parallel ranks (efsdp)
+        group = [i * shard + j // ep * ep + x for x in range(ep)]
+        assert r["ep"] == (None if ep == 1 else lines["tp"] if ep == tp else group), r
 
 
 def _check(results: list[dict], layout: str) -> None:
@@ -108,7 +111,7 @@ def test_read_once_broadcasts_each_shard(ranks, checkpoints, kind):
     _check(ranks(4).run(_load, *checkpoints(kind), LAYOUTS[layout]), layout)
 
 
-@pytest.mark.parametrize("layout", ["tp4", "dp2_ep2"])
+@pytest.mark.parametrize("layout", ["tp4", "dp2_ep2", "efsdp2_ep2"])
 def test_other_layouts_declare_transformers_meshes(ranks, checkpoints, layout):
     """The layouts the tests above do not load: exact shards, reads within each rank's, transformers' meshes."""
     _check(ranks(4).run(_load, *checkpoints("qwen3_moe"), LAYOUTS[layout]), layout)

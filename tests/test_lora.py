@@ -390,6 +390,8 @@ EP_REFUSED = {  # world size, checkpoint, layout, what the message names
     # each rank its own batch (data parallel over the EP ranks) without FSDP2: the other adapters unaveraged
     "own batches": (2, "mixtral", dict(tp_plan={"model.layers.*.mlp.experts": ExpertParallel(input_layout=Shard(0))}),
                     "ranks holding their own batches"),
+    # transformers' efsdp (experts FSDP2-sharded over pairs of ep groups): not placed
+    "efsdp": (4, "mixtral", dict(fsdp_size=4, ep_size=2), "experts FSDP2-sharded over ranks of their own"),
     # 5 experts over 2 ranks (3 + 2): PEFT's r * 5 rows of lora_A would split mid-expert
     "uneven experts": (2, "mixtral-5", dict(ep_size=2), "5 experts of model.layers.0.mlp.experts do not divide"),
 }

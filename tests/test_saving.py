@@ -322,6 +322,7 @@ def _distributed_read(out: str, layout: dict, transformers_fields: dict | None) 
     ("mixtral", 2, {}, (4, dict(fsdp_size=2))),  # TP 2 (packed gate_up_proj pieces) -> dp 2 x tp 2
     ("gpt_oss", 4, dict(fsdp_size=2), (2, {})),  # dp 2 x tp 2 (FSDP2 shards of TP shards) -> TP 2
     ("deepseek_v3", 2, dict(ep_size=2), (1, {})),  # EP 2 (whole experts per rank) -> one process
+    ("qwen3_moe", 4, dict(fsdp_size=4, ep_size=2), (2, {})),  # efsdp (experts over pairs, FSDP2 over pairs) -> TP 2
 ])
 def test_distributed_checkpoint(ranks, checkpoints, tmp_path, family, world, layout, reader):
     """save_pretrained(distributed_checkpoint=True) writes torch DCP's per-rank files as transformers does

@@ -66,8 +66,8 @@ def _stream_at(path: str, kwargs: dict, out: str) -> dict:
 
 @pytest.mark.parametrize("family, world, kwargs", [
     ("mixtral", 2, {}), ("gpt_oss", 2, {}), ("mixtral", 2, {"ep_size": 2}), ("mixtral", 4, {"fsdp_size": 2}),
-    ("mixtral", 4, {"fsdp_size": 2, "dp_replicate_size": 2})],
-    ids=["tp2", "tp2-gpt_oss", "ep2", "dp2_tp2", "hsdp2x2"])
+    ("mixtral", 4, {"fsdp_size": 2, "dp_replicate_size": 2}), ("mixtral", 4, {"fsdp_size": 4, "ep_size": 2})],
+    ids=["tp2", "tp2-gpt_oss", "ep2", "dp2_tp2", "hsdp2x2", "efsdp2_ep2"])
 def test_named_weights_are_what_save_pretrained_writes(ranks, tmp_path, family, world, kwargs):
     path = save_family(family, tmp_path)
     for r in ranks(world).run(_stream_at, str(path), kwargs, str(tmp_path / "saved")):

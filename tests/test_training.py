@@ -62,7 +62,9 @@ def run_steps(model, opt, steps: list[torch.Tensor]) -> tuple[list[float], list[
         mine = ids.chunk(count)[index]
         loss = model(mine, labels=mine).loss
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        # torch's on one mesh (all layouts but transformers' efsdp, whose experts have a mesh of their own)
+        clip = torch.nn.utils.clip_grad_norm_ if mesh_facts(model)["meshes"] == 1 else hf_moe_tp.clip_grad_norm_
+        norm = clip(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
         whole = loss.detach().clone()
@@ -106,7 +108,8 @@ def mesh_facts(model) -> dict:
     (clip_grad_norm_ stacks the per-parameter norms: one call covers them only on one mesh)."""
     params = list(model.parameters())
     return {"all_dtensor": all(isinstance(p, DTensor) for p in params),
-            "meshes": len({p.device_mesh for p in params if isinstance(p, DTensor)})}
+            "meshes": len({p.device_mesh for p in params if isinstance(p, DTensor)}),
+            "expert_dp": any(p.device_mesh.ndim > 2 and "ep" in p.device_mesh.mesh_dim_names for p in params)}
 
 
 def check(results: list[dict]) -> None:
@@ -114,7 +117,8 @@ def check(results: list[dict]) -> None:
         loss = max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"], strict=True))
         norm = max(abs(a - b) for a, b in zip(r["norm"], r["ref_norm"], strict=True))
         assert loss <= TOL and norm <= TOL, (loss, norm, r)
-        assert r["all_dtensor"] and r["meshes"] == 1, r  # one mesh: one clip call covers everything
+        # one mesh, one torch clip call covers everything; two with experts FSDP-sharded apart (efsdp)
+        assert r["all_dtensor"] and r["meshes"] == (2 if r.get("expert_dp") else 1), r
         assert not r.get("view_outputs"), r["view_outputs"]  # (train_steps records them)
 
 
@@ -126,6 +130,10 @@ LAYOUTS = {
     "ep2_tp2_fsdp_over_ep": dict(mesh=(("ep", 2), ("tp", 2)), fsdp_size=2),  # experts whole per ep rank
     "ep4_fsdp4": dict(fsdp_size=4, ep_size=4),  # TP size 1: experts over the data-parallel ranks
 }
+# TP size 1, transformers' efsdp: experts over pairs of ranks, FSDP2-sharded over the pairs (with replicas and an
+# efsdp of 1: over the replicas)
+EXPERT_FSDP = {"efsdp2_ep2": dict(fsdp_size=4, ep_size=2),
+               "dp_replicate2_efsdp1_ep2": dict(dp_replicate_size=2, fsdp_size=2, ep_size=2)}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -133,6 +141,12 @@ LAYOUTS = {
 def test_fsdp_layouts_match_one_process(ranks, checkpoints, family, layout):
     """FSDP2 (HSDP for dp_replicate) x TP or EP: per-step loss and clipped total norm equal one process."""
     check(ranks(4).run(train_steps, checkpoints(family), LAYOUTS[layout]))
+
+
+@pytest.mark.parametrize("layout", sorted(EXPERT_FSDP))
+def test_experts_fsdp_apart_match_one_process(ranks, checkpoints, layout):
+    """Experts FSDP2-sharded over ranks of their own (two meshes: hf_moe_tp.clip_grad_norm_ clips over both)."""
+    check(ranks(4).run(train_steps, checkpoints("deepseek_v3"), EXPERT_FSDP[layout]))
 
 
 def test_fused_adamw(ranks, checkpoints):

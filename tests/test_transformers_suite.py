@@ -27,19 +27,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * distributed_testing_util
 # Through hf_moe_tp, the tests known to fail, and why (the gaps issue 39's closing note names), by test name or by
 # "family-test name". Each must fail: one that passes fails the run until it is taken off this list.
 KNOWN = {
-    "test_hsdp_grad_accumulation_vs_single_device_0_replicate_and_shard":
-        "parameter meshes are hf_moe_tp's (dp_replicate, dp_shard, tp), not transformers' (dp_replicate, fsdp); no "
-        "_mesh_manager",
-    "test_hsdp_grad_accumulation_vs_single_device_1_replicate_only":
-        "parameter meshes are hf_moe_tp's (dp_replicate, dp_shard, tp), not transformers' (dp_replicate, fsdp); no "
-        "_mesh_manager",
-    "test_hsdp_grad_accumulation_vs_single_device_2_expert_parallel":
-        "ep_size=2 inside fsdp_size=4 x dp_replicate_size=2 (transformers' efsdp) is refused by name",
+    **{f"test_hsdp_grad_accumulation_vs_single_device_{label}": "at a TP size of 1 hf_moe_tp's parameters keep a "
+       "tp dimension of size 1, so FSDP2's mesh is (dp_replicate, fsdp, tp) where the test asserts transformers' "
+       "(dp_replicate, fsdp); with that assertion removed the rest passes "
+       "(checked on mixtral, deepseek_v3, gpt_oss, qwen3_moe)"
+       for label in ("0_replicate_and_shard", "1_replicate_only", "2_expert_parallel")},
     "test_fsdp2_sharding_structure_1_tied":
         "tied embeddings (one parameter) stay in the root unit; transformers wraps the embedding alone and ties the "
         "head to it again after loading",
-    "test_fsdp2_expert_parallel_bf16_grads_0_experts_sharded":
-        "ep_size=2 inside fsdp_size=4 at a TP size of 1 (transformers' efsdp) is refused by name",
     # fail on plain transformers too (HF_SUITE_MODE=transformers), for the same reason
     **{f"dots3_note_text-{name}": "fails on plain transformers too: the mixin reads config.num_attention_heads / "
        "head_dim, per-layer attributes of this config (AmbiguousGlobalPerLayerAttributeError)"

@@ -105,8 +105,9 @@ class ParallelConfig:
         if layout.dp is not None and layout.ep is not None and (_casts(mp) or _offloads(offload)):
             # FSDP2 leaves experts that already sit over the data-parallel ranks to themselves (fsdp.py)
             raise ValueError(f"mp_policy={mp} / offload_policy={offload} with experts split over the "
-                             "data-parallel ranks ('ep' beside 'tp', FSDP over ep): FSDP2 does not manage those "
-                             "experts, so the policy would not reach them; load with dtype= instead, without them")
+                             "data-parallel ranks ('ep' beside 'tp'): FSDP2 does not manage those experts (FSDP over "
+                             "ep), so the policy would not reach them, or manages them apart (fsdp_size larger than "
+                             "ep_size), not tested with a policy; load with dtype= instead, without them")
         if layout.dp is not None and self.keep_quantized:
             raise ValueError("keep_quantized=True with FSDP2 (fsdp_size, dp_replicate_size or a data-parallel mesh "
                              "dimension): FP8 weights kept quantized are frozen; load them dequantized to train")

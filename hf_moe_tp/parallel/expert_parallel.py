@@ -216,11 +216,17 @@ def _local_experts(experts: nn.Module) -> int:
 def _slice_rows(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """This rank's rows of a tensor every rank of ``mesh`` holds whole (``torch.chunk``'s split); the backward
     all-gathers the rows' gradients."""
+    if mesh.size() == 1:
+        return t
     return DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(0)]).to_local()
 
 
 def _gather_rows(t: torch.Tensor, mesh: DeviceMesh, num_rows: int) -> torch.Tensor:
-    """The inverse of :func:`_slice_rows`: all ranks' rows, in order, on every rank (uneven slices too)."""
+    """The inverse of :func:`_slice_rows`: all ranks' rows, in order, on every rank (uneven slices too). On a mesh
+    of one, ``t`` itself (not a view of it: a view returned by an FSDP2 unit would lose its backward hook to an
+    in-place op)."""
+    if mesh.size() == 1:
+        return t
     shape = (num_rows, *t.shape[1:])
     dt = DTensor.from_local(t.contiguous(), mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
                             stride=torch.empty(shape, device="meta").stride())

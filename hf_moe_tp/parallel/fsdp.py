@@ -55,12 +55,16 @@ def shard_data_parallel(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     reshard_after_forward: bool = True,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Apply FSDP2 to ``model`` (a model from :func:`hf_moe_tp.from_pretrained`) over ``dp_mesh``: each decoder
     layer, then the root. ``mp_policy`` and ``offload_policy`` go to every ``fully_shard`` call.
 
     Parameters on a mesh that already includes a data-parallel dimension (experts over an ``"ep"`` dimension
-    holding different batches) are left to themselves and their gradients divided by that dimension's size.
+    holding different batches) are left to themselves and their gradients divided by that dimension's size; with
+    ``expert_mesh`` (transformers' ``efsdp``: the ranks holding the same experts) each module holding them is
+    a unit of its own over that mesh instead, sharded before its layer (torchtitan's grouping for experts), its
+    gradients divided by every data-parallel rank (the ep ranks' tokens are summed into them).
 
     On a model still on the meta device (:func:`hf_moe_tp.from_pretrained` shards before it reads, so each rank
     reads only its final shards) the parameters stay meta; call :func:`divide_expert_gradients` once they are
@@ -71,7 +75,10 @@ def shard_data_parallel(
         logger.warning("CPU offload on a CPU mesh: the parameters already live in CPU memory; nothing to offload")
         offload_policy = None
     kwargs = {"mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload_policy or OffloadPolicy()}
-    ignored = _expert_params_over_batches(model, dp_mesh)
+    ignored = _expert_params_over_batches(model, dp_mesh if expert_mesh is None else None)
+    if expert_mesh is not None:
+        _shard_experts(model, ignored, expert_mesh, reshard_after_forward, kwargs)
+        ignored = set()
     layers = decoder_layers(model)
     last = layers[-1] if layers else None
     for modules, reshard in units(model):
@@ -93,6 +100,20 @@ def shard_data_parallel(
     setattr(model, MODEL_FSDP_MANAGED, True)  # transformers' generate then keeps the data-parallel ranks in step
     model.hf_moe_tp_dp_mesh = dp_mesh
     return model
+
+
+def _shard_experts(model: nn.Module, params: set[nn.Parameter], mesh: DeviceMesh, reshard: bool,
+                   kwargs: dict) -> None:
+    """Each module owning expert ``params`` (whole experts over ``ep``, each ep rank its own batch) a unit over
+    ``mesh`` (``efsdp``), before the layer holding it. FSDP2 divides their gradients by ``mesh``'s size; they sum
+    the tokens of every ep rank too, so by the ep size as well: every data-parallel rank's, as for the rest."""
+    owners = [m for m in model.modules() if any(p in params for p in m.parameters(recurse=False))]
+    for module in owners:
+        ep = next(p for p in module.parameters(recurse=False) if p in params).device_mesh["ep"].size()
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **kwargs)
+        module.set_gradient_divide_factor(float(mesh.size() * ep))
+        if mesh.device_type == "cpu":  # that factor is a PREMUL_SUM reduction, which gloo lacks: sum, then divide
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def _other_dtype_units(unit: nn.Module, ignored: set[nn.Parameter]) -> list[nn.Module]:
@@ -187,11 +208,12 @@ def _lookup_only(module: nn.Module) -> bool:
     return isinstance(module, nn.Embedding) and list(module.parameters()) == [module.weight]
 
 
-def _expert_params_over_batches(model: nn.Module, dp_mesh: DeviceMesh) -> set[nn.Parameter]:
+def _expert_params_over_batches(model: nn.Module, dp_mesh: DeviceMesh | None) -> set[nn.Parameter]:
     """Parameters on a 2-D mesh with an ``"ep"`` dimension (the ``(ep, tp)`` layout): whole experts per rank,
-    fed every ep rank's tokens. FSDP2 leaves them; :func:`divide_expert_gradients` averages their gradients."""
+    fed every ep rank's tokens. Unless they have a mesh of their own (``dp_mesh`` None), FSDP2 leaves them and
+    :func:`divide_expert_gradients` averages their gradients: the data-parallel ranks must then be the ep ranks."""
     out = {p for p in model.parameters() if _over_batches(p)}
-    if out and dp_mesh.size() != next(iter(out)).device_mesh["ep"].size():
+    if out and dp_mesh is not None and dp_mesh.size() != next(iter(out)).device_mesh["ep"].size():
         raise ValueError(f"FSDP over {dp_mesh.size()} ranks with experts over an 'ep' dimension of "
                          f"{next(iter(out)).device_mesh['ep'].size()}: the data-parallel ranks must be the ep ranks")
     return out
@@ -212,5 +234,7 @@ def divide_expert_gradients(model: nn.Module) -> None:
 
 
 def _over_batches(p: nn.Parameter) -> bool:
-    """A parameter on a 2-D mesh with an ``"ep"`` dimension: whole experts per rank, fed every ep rank's tokens."""
-    return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ()) and p.device_mesh.ndim > 1
+    """A parameter on a 2-D ``(ep, tp)`` mesh (not FSDP2's, which has its dimensions in front): whole experts per
+    rank, fed every ep rank's tokens."""
+    names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+    return "ep" in names and len(names) == 2

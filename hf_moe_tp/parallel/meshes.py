@@ -60,11 +60,14 @@ def data_parallel_mesh(device_mesh: DeviceMesh) -> DeviceMesh | None:
 @dataclass
 class Layout:
     """The meshes one model uses: ``tp`` (1-D) for attention and dense layers; ``ep`` (2-D ``(ep, tp)``) for
-    experts when they are split over ranks holding different batches; ``dp`` (1-D, or 2-D for HSDP) for FSDP2."""
+    experts when they are split over ranks holding different batches; ``dp`` (1-D, or 2-D for HSDP) for FSDP2;
+    ``expert_dp`` (``efsdp``, or 2-D ``(dp_replicate, efsdp)``) for the experts' FSDP2 where ``ep`` is smaller
+    than the data-parallel world: the ranks holding the same experts, which FSDP2 shards them over."""
 
     tp: DeviceMesh
     ep: DeviceMesh | None = None
     dp: DeviceMesh | None = None
+    expert_dp: DeviceMesh | None = None  # experts' FSDP2 mesh where it is not ``dp`` (transformers' ``efsdp``)
 
 
 def resolve_layout(device_mesh: DeviceMesh | None = None, ep_size: int | None = None, fsdp_size: int | None = None,
@@ -73,7 +76,9 @@ def resolve_layout(device_mesh: DeviceMesh | None = None, ep_size: int | None = 
 
     ``ep_size`` with data parallelism means what transformers' ``DistributedConfig`` means: equal to the TP
     size, experts over the TP ranks (and FSDP-sharded over the data-parallel ones); with a TP size of 1 and
-    equal to ``fsdp_size``, experts over the data-parallel ranks (the ``(ep, tp)`` layout with ``tp`` of 1).
+    equal to ``fsdp_size``, experts over the data-parallel ranks (the ``(ep, tp)`` layout with ``tp`` of 1); with a
+    TP size of 1 and dividing ``fsdp_size`` (or with replicas), experts over groups of ``ep_size`` data-parallel
+    ranks and FSDP-sharded over the groups (transformers' ``efsdp``, :func:`_expert_fsdp_layout`).
     Layouts other than these are refused by name.
     """
     fsdp_size, dp_replicate_size = fsdp_size or 1, dp_replicate_size or 1
@@ -84,6 +89,8 @@ def resolve_layout(device_mesh: DeviceMesh | None = None, ep_size: int | None = 
     if device_mesh is None and not data_parallel:
         tp, ep = resolve_meshes(None, ep_size)
         return Layout(tp, ep)
+    if device_mesh is None and _experts_inside_fsdp(ep_size, fsdp_size, dp_replicate_size):
+        return _expert_fsdp_layout(ep_size, fsdp_size, dp_replicate_size)
     if device_mesh is None:
         device_mesh = _data_parallel_mesh(ep_size, fsdp_size, dp_replicate_size)
     names = device_mesh.mesh_dim_names or ()
@@ -128,7 +135,10 @@ def declare(model: torch.nn.Module, layout: Layout, ep_size: int = 1) -> None:
     pp, replicate, shard, tp = world.shape
     groups = _groups(layout)
     dense = _view(world, ("pp", "dp_replicate", "fsdp", "tp"), groups, layout.tp.device_type)
-    if layout.ep is not None:  # (ep, tp): ranks of one ep coordinate hold the same experts (replicas, not shards)
+    if layout.expert_dp is not None:  # transformers' own expert mesh: (dp_replicate, efsdp, ep) as arranged
+        ranks = root_mesh(layout.ep).mesh.reshape(1, replicate, -1, layout.ep["ep"].size())
+        experts = _view(ranks, EXPERT_DIMS, groups, layout.tp.device_type)
+    elif layout.ep is not None:  # (ep, tp): ranks of one ep coordinate hold the same experts (replicas, not shards)
         experts = _view(layout.ep.mesh.T.reshape(1, 1, tp, -1), EXPERT_DIMS, groups, layout.tp.device_type)
     elif ep_size == tp:
         experts = _view(world, EXPERT_DIMS, groups, layout.tp.device_type)
@@ -173,7 +183,7 @@ class TransformersMeshes:
 
 def _groups(layout: Layout) -> list[dist.ProcessGroup]:
     """Every process group of ``layout``'s meshes (and of the mesh its TP mesh was cut from), and the world's."""
-    meshes = [m for m in (layout.tp, layout.ep, layout.dp, root_mesh(layout.tp)) if m is not None]
+    meshes = [m for m in (layout.tp, layout.ep, layout.dp, layout.expert_dp, root_mesh(layout.tp)) if m is not None]
     return [dist.group.WORLD] + [g for m in meshes for g in m.get_all_groups()]
 
 
@@ -209,7 +219,7 @@ def _world(layout: Layout) -> torch.Tensor:
     """Every rank of the world, arranged (pp, dp_replicate, fsdp, tp) as ``layout`` arranges them: ``tp`` the
     ranks of one TP group, ``fsdp`` those holding different batches inside a replica (a mesh's shard dimension,
     an ``(ep, tp)`` mesh's ``ep``, any other dimension of a user's mesh beside ``tp``), ``pp`` a dimension so named."""
-    if layout.ep is not None:
+    if layout.ep is not None and layout.expert_dp is None:
         return layout.ep.mesh.reshape(1, 1, *layout.ep.mesh.shape)
     root = root_mesh(layout.tp)
     names = list(root.mesh_dim_names or ())
@@ -254,6 +264,33 @@ def _batch_mesh(model) -> DeviceMesh | None:
     return dp
 
 
+def _experts_inside_fsdp(ep_size: int | None, fsdp_size: int, replicate: int) -> bool:
+    """Whether the sizes ask for transformers' ``efsdp`` layout: a TP size of 1, experts over groups of ``ep_size``
+    data-parallel ranks inside ``fsdp_size`` (fewer than all of them, or any number with replicas)."""
+    init_process_group()
+    if ep_size in (None, 1) or fsdp_size * replicate != dist.get_world_size() or fsdp_size % ep_size:
+        return False
+    return ep_size < fsdp_size or replicate > 1
+
+
+def _expert_fsdp_layout(ep_size: int, fsdp_size: int, replicate: int) -> Layout:
+    """transformers' layout for ``DistributedConfig(fsdp_size, ep_size[, dp_replicate_size])`` at a TP size of 1:
+    the dense layers FSDP2 over the ``fsdp`` ranks (HSDP with replicas); the experts whole over each group of
+    ``ep_size`` consecutive ranks (``(ep, tp)``, each rank its own batch, tokens moved inside the group) and
+    FSDP2-sharded over ``efsdp`` = fsdp / ep, the ranks holding the same experts (ranks as transformers arranges
+    them: (dp_replicate, fsdp) for the dense mesh, (dp_replicate, efsdp, ep) for the experts')."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    outer = (replicate,) if replicate > 1 else ()
+    outer_names = ("dp_replicate",) if replicate > 1 else ()
+    dense = init_device_mesh(device, (*outer, fsdp_size, 1), mesh_dim_names=(*outer_names, "fsdp", "tp"))
+    experts = init_device_mesh(device, (*outer, fsdp_size // ep_size, ep_size, 1),
+                               mesh_dim_names=(*outer_names, "efsdp", "ep", "tp"))
+    # efsdp of 1 with replicas: the experts sharded over the replicas rather than replicated (HSDP with a shard
+    # dimension of one divides a custom gradient factor twice in torch 2.13 and 2.14: fsdp.py sets one)
+    expert_dims = ("dp_replicate",) if replicate > 1 and fsdp_size == ep_size else (*outer_names, "efsdp")
+    return Layout(dense["tp"], experts["ep", "tp"], dense[(*outer_names, "fsdp")], experts[expert_dims])
+
+
 def _data_parallel_mesh(ep_size: int | None, fsdp_size: int, dp_replicate_size: int) -> DeviceMesh:
     init_process_group()
     world = dist.get_world_size()
@@ -266,8 +303,8 @@ def _data_parallel_mesh(ep_size: int | None, fsdp_size: int, dp_replicate_size: 
         if tp == 1 and ep_size == fsdp_size and dp_replicate_size == 1:
             return init_device_mesh(device, (ep_size, 1), mesh_dim_names=("ep", "tp"))
         raise ValueError(f"ep_size={ep_size} with fsdp_size={fsdp_size}, dp_replicate_size={dp_replicate_size} on "
-                         f"{world} ranks (TP size {tp}): ep_size must equal the TP size, or with a TP size of 1 equal "
-                         f"fsdp_size")
+                         f"{world} ranks (TP size {tp}): ep_size must equal the TP size, or with a TP size of 1 "
+                         f"divide fsdp_size")
     if dp_replicate_size > 1:
         return init_device_mesh(device, (dp_replicate_size, fsdp_size, tp),
                                 mesh_dim_names=("dp_replicate", "fsdp", "tp"))

@@ -87,14 +87,17 @@ def _check_expert_parallel(target: str, name: str, experts: nn.Module, model: nn
     (PEFT's ``r * E`` rows of ``lora_A`` cut as ``torch.chunk`` cuts would otherwise straddle experts), and on an
     ``(ep, tp)`` mesh the dense layers must be FSDP2-sharded over ``ep`` (otherwise the attention adapters sit on
     another mesh, and their gradients, each ep rank's batch's, would need the caller's averaging over ``ep``);
-    for the same reason a 1-D mesh's ranks must share the batch (``input_layout=Replicate()``). HSDP (two
-    data-parallel dimensions beside the experts') is not placed (untested: it needs 8 ranks)."""
+    for the same reason a 1-D mesh's ranks must share the batch (``input_layout=Replicate()``). HSDP and experts
+    FSDP2-sharded over ranks of their own (transformers' ``efsdp``), data-parallel dimensions beside the experts',
+    are not placed (untested)."""
     weight = experts.down_proj
     mesh = weight.device_mesh
     names = mesh.mesh_dim_names or ()
     if mesh.ndim > 2:
         raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r} under ExpertParallel on the mesh "
-                                   f"{names} of {name} (HSDP): not supported; LoRA on experts under ExpertParallel "
+                                   f"{names} of {name} (HSDP, or experts FSDP2-sharded over ranks of their own as "
+                                   "with fsdp_size larger than ep_size at a TP size of 1): not supported; LoRA on "
+                                   "experts under ExpertParallel "
                                    "is supported with ep_size equal to the TP size (with or without FSDP2), and on "
                                    "an (ep, tp) mesh with FSDP2 over ep (fsdp_size equal to the ep size)")
     style = experts.hf_moe_tp_style
