@@ -169,7 +169,7 @@ def from_pretrained(
     is read, and each rank reads exactly the box of each parameter it holds: FSDP's shard of its TP shard.
 
     ``hf_kwargs``: transformers' own ``from_pretrained`` arguments, honoured as there or refused by name
-    (:mod:`hf_moe_tp.integrations.hf_arguments`, the README's table): ``dtype`` as a name or ``"auto"``,
+    (:mod:`hf_moe_tp.integrations.hf_arguments`, the table in docs/usage.md): ``dtype`` as a name or ``"auto"``,
     ``attn_implementation``, ``config`` (object or path), config attributes as overrides, ``revision``,
     ``cache_dir``, ``token``, ``local_files_only``, ``subfolder``, ``trust_remote_code`` (native classes only),
     ``generation_config``, ``use_safetensors``, ``quantization_config`` (FP8 or MXFP4 with ``dequantize=True``);

@@ -96,8 +96,8 @@ def refuse(kwargs: dict[str, Any]) -> None:
 
 
 def resolve(path: str | os.PathLike, dtype: Any = None, **kwargs: Any) -> Resolved:
-    """Apply transformers' ``from_pretrained`` keyword arguments, which :func:`refuse` has passed (the README's
-    table)."""
+    """Apply transformers' ``from_pretrained`` keyword arguments, which :func:`refuse` has passed (the table in
+    docs/usage.md)."""
     requested_quantization = kwargs.pop("quantization_config", None)
     experts = kwargs.pop("experts_implementation", None)
     for k in (*REFUSED, *NO_OPS, *AUTO_CLASS_KEYWORDS, "use_safetensors"):
