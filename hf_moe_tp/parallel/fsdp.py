@@ -28,6 +28,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from .._compat import MODEL_FSDP_MANAGED, MODEL_FSDP_PLAN, MODEL_NO_SPLIT
+from .expert_parallel import ExpertParallel
 from .hf_plan import matches
 
 logger = logging.getLogger(__name__)
@@ -212,7 +213,7 @@ def _expert_params_over_batches(model: nn.Module, dp_mesh: DeviceMesh | None) ->
     """Parameters on a 2-D mesh with an ``"ep"`` dimension (the ``(ep, tp)`` layout): whole experts per rank,
     fed every ep rank's tokens. Unless they have a mesh of their own (``dp_mesh`` None), FSDP2 leaves them and
     :func:`divide_expert_gradients` averages their gradients: the data-parallel ranks must then be the ep ranks."""
-    out = {p for p in model.parameters() if _over_batches(p)}
+    out = set(_over_batches(model))
     if out and dp_mesh is not None and dp_mesh.size() != next(iter(out)).device_mesh["ep"].size():
         raise ValueError(f"FSDP over {dp_mesh.size()} ranks with experts over an 'ep' dimension of "
                          f"{next(iter(out)).device_mesh['ep'].size()}: the data-parallel ranks must be the ep ranks")
@@ -223,7 +224,7 @@ def divide_expert_gradients(model: nn.Module) -> None:
     """Divide the gradients of experts over an ``"ep"`` dimension that carries the batches by its size, as FSDP2
     divides the rest (a hook per parameter; idempotent). A hook belongs to the parameter object, so this runs
     once the parameters are allocated: the loader replaces meta parameters with new ones."""
-    for p in filter(_over_batches, model.parameters()):
+    for p in _over_batches(model):
         if p.is_meta:
             raise RuntimeError("divide_expert_gradients before the parameters are loaded: a hook on a meta "
                                "parameter is lost when the loader allocates it")
@@ -233,8 +234,10 @@ def divide_expert_gradients(model: nn.Module) -> None:
             p._hf_moe_tp_divided = True
 
 
-def _over_batches(p: nn.Parameter) -> bool:
-    """A parameter on a 2-D ``(ep, tp)`` mesh (not FSDP2's, which has its dimensions in front): whole experts per
-    rank, fed every ep rank's tokens."""
-    names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
-    return "ep" in names and len(names) == 2
+def _over_batches(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``model``'s ExpertParallel modules on a 2-D ``(ep, tp)`` mesh: whole experts per rank, fed
+    every ep rank's tokens. (FSDP2 puts the dense layers of that layout on an ``(ep, tp)`` mesh too, and experts
+    it shards over ``efsdp`` on a mesh with that dimension in front: neither is one of these.)"""
+    return [p for m in model.modules() if isinstance(getattr(m, "hf_moe_tp_style", None), ExpertParallel)
+            for p in m.parameters(recurse=False)
+            if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ()) and p.device_mesh.ndim == 2]
