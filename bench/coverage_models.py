@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from bench.weights import draw
+
 EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
 
 
@@ -280,10 +282,7 @@ def save_tiny(family: Family, root: Path, expert_hidden: int, seed: int = 0) -> 
     experts = [m for m in model.modules() if hasattr(m, "has_gate") or type(m).__name__ == "Llama4TextExperts"]
     if not experts:
         raise RuntimeError("the tiny config builds no expert layer")
-    with torch.no_grad():  # O(1) activations and logits, so 2e-5 absolute is a real bound
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 1.0 if "embed" in name else p.shape[-1] ** -0.5)
+    draw(model, embedding="embed")  # O(1) activations and logits, so 2e-5 absolute is a real bound
     path = root / f"{family.name}-{expert_hidden}"
     model.save_pretrained(path)
     return path, kind

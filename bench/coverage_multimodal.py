@@ -24,6 +24,7 @@ import torch
 
 from bench.coverage_checks import FP32_TOL, _full, step_tolerance
 from bench.coverage_models import Family, shrink
+from bench.weights import draw
 
 # The towers' sizes; a key is set only where the tower's config has it.
 TOWER_SIZES = dict(
@@ -144,10 +145,7 @@ def save_multimodal(family: Family, root: Path, expert_hidden: int, seed: int = 
         raise ValueError(f"the tiny {cls.__name__} has {size / 1e6:.0f} M parameters (a tower size not shrunk)")
     torch.manual_seed(seed)
     model = cls._from_config(config)
-    with torch.no_grad():  # O(1) activations, as part 1
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 1.0 if "embed_tokens" in name else p.shape[-1] ** -0.5)
+    draw(model)  # O(1) activations, as part 1
     path = root / f"{family.name}-mm-{expert_hidden}"
     model.save_pretrained(path)
     inputs = make_inputs(model.eval())

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.collectives import count_bytes, median_time
+from bench.weights import draw
 from hf_moe_tp.runtime.launch import run_on_ranks
 
 DEFAULT_DIR = Path.home() / ".cache/hf_moe_tp/bench-qwen3-ep"
@@ -36,10 +37,7 @@ def make_checkpoint(path: Path) -> None:
                             head_dim=64, vocab_size=8192, max_position_embeddings=1024, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 1.0 if "embed_tokens" in name else p.shape[-1] ** -0.5)
+    draw(model)
     model.save_pretrained(path)
 
 

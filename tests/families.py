@@ -20,6 +20,8 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from bench.weights import draw
+
 COMMON = dict(vocab_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, tie_word_embeddings=False)
 
@@ -76,15 +78,7 @@ def save_model(config, path: Path, *, packed: bool = False, seed: int = 0) -> Pa
     """A model of ``config`` with seeded O(1)-activation weights, saved with save_pretrained to ``path``."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # O(1) activations and logits, so 2e-5 absolute is a real bound
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 1.0 if "embed_tokens" in name else p.shape[-1] ** -0.5)
-            elif "norm" not in name:  # biases, attention sinks: not constant, so their sharding is exercised
-                p.normal_(0, 0.1)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # small next to the spread of sigmoid scores
-                b.normal_(0, 0.1)
+    draw(model, vectors=True)  # biases, attention sinks too: not constant, so their sharding is exercised
     model.save_pretrained(path)
     if packed:
         state = {k: v.contiguous() for k, v in model.state_dict().items()}

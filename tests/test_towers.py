@@ -9,6 +9,7 @@ import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import Llama4Config, Llama4ForConditionalGeneration
 
+from bench.weights import draw
 from hf_moe_tp.parallel import plans
 from hf_moe_tp.parallel.towers import towers
 
@@ -30,10 +31,7 @@ def _config(**vision) -> Llama4Config:
 def llama4_vl(tmp_path_factory):
     torch.manual_seed(0)
     model = Llama4ForConditionalGeneration._from_config(_config())
-    with torch.no_grad():  # O(1) activations: 1e-5 absolute is a real bound
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 1.0 if "embed" in name else p.shape[-1] ** -0.5)
+    draw(model, embedding="embed")  # O(1) activations: 1e-5 absolute is a real bound
     path = tmp_path_factory.mktemp("towers") / "llama4_vl"
     model.save_pretrained(path)
     return str(path)
