@@ -177,3 +177,18 @@ def test_inspect_a_config_alone_at_training_scale(tmp_path):
     assert max(report.rank_bytes) <= report.total_bytes / 64 * 1.05, (max(report.rank_bytes), report.total_bytes)
     assert all(read >= held for read, held in zip(report.rank_disk_bytes, report.rank_bytes, strict=True))
     assert report.total_bytes <= sum(report.rank_disk_bytes) <= report.total_bytes * 1.05
+
+
+def test_inspect_refuses_the_efsdp_layout(tmp_path):
+    """inspect's boxes read one root mesh; transformers' efsdp puts the experts on another: refused by name (and the
+    fake process group it started is gone)."""
+    from transformers import Qwen3MoeConfig
+
+    from hf_moe_tp.cli.inspection import inspect_checkpoint
+
+    Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=2, head_dim=8, num_experts=4).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="efsdp"):
+        inspect_checkpoint(tmp_path / "config.json", 1, fsdp=4, ep=2)
+    assert not dist.is_initialized()
+

@@ -63,8 +63,10 @@ def mixtral(tmp_path_factory):
     return str(save_family("mixtral", tmp_path_factory.mktemp("rl")))
 
 
-@pytest.mark.parametrize("paged, kwargs", [  # (continuous batching's loop takes about 20 s a step here: one default)
-    (False, {}), (True, {}), pytest.param(True, {"ep_size": 2}, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("paged, kwargs", [  # continuous batching's loop takes about 20 s a step here: slow tier
+    # (its TP and EP runs against one process stay in the default run: tests/test_continuous_batching.py)
+    (False, {}), pytest.param(True, {}, marks=pytest.mark.slow), pytest.param(True, {"ep_size": 2},
+                                                                             marks=pytest.mark.slow)],
     ids=["tp2-generate", "tp2-paged", "ep2-paged"])
 def test_grpo_matches_one_process(ranks, mixtral, tmp_path, paged, kwargs):
     torch.manual_seed(0)

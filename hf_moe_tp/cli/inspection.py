@@ -96,6 +96,10 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
     dist.init_process_group("fake", rank=0, world_size=world, store=fake_store())
     try:
         layout = resolve_layout(None, ep, fsdp, dp_replicate)
+        if layout.expert_dp is not None:  # the experts on a root mesh of their own: not what the boxes below read
+            raise ValueError(f"inspect at fsdp={fsdp}, ep={ep}, dp_replicate={dp_replicate} (TP 1: transformers' "
+                             f"efsdp, experts FSDP2-sharded apart) is not predicted yet; load it to see each rank's "
+                             f"shards")
         root = root_mesh(layout.tp)
         dims = dict(zip(root.mesh_dim_names, root.shape, strict=True))
         model = plans.meta_model(config)
