@@ -44,7 +44,8 @@ after one warm-up round. The warm-up round is each variant's first step, on the 
 loss (the mean over the replicas) and total gradient norm are printed against transformers', and must agree
 (loss 1e-5 relative in fp32, 2e-2 in bf16; norm 3e-3 and 3e-2: torch's fp32 norm of a few million CPU values
 is off by up to ~1e-3 from float64, differently for other shard shapes), so that the figures compare equal
-work; so is the loss of the last timed step.
+work; so is the loss of the last timed step. Each variant's first-step norm is also taken in float64 from its
+gradients made whole: those agree across variants to 1e-9, so the fp32 norms' spread is their own rounding.
 
 Peak memory per rank is the peak of live tensor bytes during one more step after the timed ones: the bytes
 held when it starts (the local parts of the parameters, gradients, buffers and the optimizer's state, each
@@ -166,6 +167,17 @@ def clip_grad_norm_per_mesh_(params, max_norm: float) -> torch.Tensor:
     return total
 
 
+def float64_norm(model) -> float:
+    """The total gradient norm of ``model`` in float64, each gradient made whole first (one at a time): what the
+    clip's fp32 norm should be, to tell which variant's norm rounds."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            total += g.double().square().sum()
+    return total.sqrt().item()
+
+
 def vm_hwm_mib() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -231,6 +243,7 @@ def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int, l
 
     ids = torch.randint(0, CONFIG["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
     history: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # (loss, total norm) of every step
+    exact_norms: dict[str, float] = {}  # the first step's gradient norm in float64, from the gradients made whole
     steps, opts, info = {}, {}, {}
     for name, model in models.items():
         model.train()
@@ -246,12 +259,14 @@ def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int, l
         stepper = trainer_step(model) if name == OURS_TRAINER else None
 
         def step(model=model, opt=opt, mine=mine, clip=clip, record=history[name].append,
-                 forward_backward=stepper) -> None:
+                 forward_backward=stepper, exact=exact_norms, name=name) -> None:
             if forward_backward is not None:
                 loss = forward_backward({"input_ids": mine, "labels": mine})
             else:
                 loss = model(mine, labels=mine).loss
                 loss.backward()
+            if name not in exact:  # the first step (the warm-up round): the norm in float64, for the printout
+                exact[name] = float64_norm(model)
             norm = clip(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
@@ -274,6 +289,7 @@ def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int, l
         out[name] = info[name] | {
             "tok_s": batch * seq / seconds[name], "step_s": seconds[name], "losses": (losses / WORLD).tolist(),
             "norm": (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float().item(),
+            "exact_norm": exact_norms[name],
             "peak_mib": (held + rise) / 2**20, "held_mib": held / 2**20}
     out["vm_hwm_mib"] = vm_hwm_mib()
     return out
@@ -345,7 +361,10 @@ def main() -> None:
             dlast = relative(r["losses"][repeats], ref["losses"][repeats])
             # transformers' LoRA gradients are wrong (issue 21): with --lora only the first loss (B = 0) must agree
             ok = dl <= LOSS_TOLERANCE.get(dtype, 2e-2) and (args.lora or dn <= NORM_TOLERANCE.get(dtype, 3e-2))
+            exact = relative(r["norm"], r["exact_norm"])
             print(f"  {name:<25} first step: loss {r['losses'][0]:.6f}, grad norm {r['norm']:.5f} "
+                  f"({exact:.1e} from its float64 norm {r['exact_norm']:.6f}, transformers' float64 "
+                  f"{relative(r['exact_norm'], ref['exact_norm']):.1e} apart) "
                   f"({'agree' if ok else 'DIFFER'} with transformers: {dl:.1e}, {dn:.1e} relative"
                   f"{', norm not compared' if args.lora else ''}); step "
                   f"{repeats + 1} loss {r['losses'][repeats]:.6f} ({dlast:.1e}); "
