@@ -35,9 +35,9 @@ A training step is forward with labels, backward, ``clip_grad_norm_(params, 1.0)
 default, the per-tensor loop for DTensors) and ``zero_grad``; in bf16 the parameters and AdamW's state are bf16
 too. transformers' model fails in torch's ``clip_grad_norm_`` ("All operands in aten.stack.default must have the
 same mesh"): TP leaves its embeddings, norms and routers whole, so FSDP2 puts them on the 1-D ``fsdp`` mesh and
-the rest on ``(fsdp, tp)``. Its row clips with the per-mesh form torchtitan uses (each mesh's norm made whole,
-one total, every gradient scaled by it): the same clipping, two more small all-reduces. hf_moe_tp's parameters
-all live on one mesh and take torch's call.
+the rest on ``(fsdp, tp)``. Its row clips with ``hf_moe_tp.clip_grad_norm_``, the per-mesh form torchtitan and
+transformers' Trainer use (each mesh's norm made whole, one total, every gradient scaled by it): the same clipping,
+two more small all-reduces. hf_moe_tp's parameters all live on one mesh and take torch's call.
 
 Tokens per second are the global tokens of a step over rank 0's median step time over ``--repeats`` rounds
 after one warm-up round. The warm-up round is each variant's first step, on the weights as loaded: its global
@@ -149,24 +149,6 @@ def peak_rise_bytes(fn) -> int:
     return peak
 
 
-def clip_grad_norm_per_mesh_(params, max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_`` for parameters on more than one device mesh, as torchtitan does it: each mesh's norm
-    made whole (``full_tensor``), the total from those, then every group scaled. torch's own stacks the
-    per-tensor norms, which DTensor refuses across meshes."""
-    groups: dict = {}
-    for p in params:
-        if p.grad is not None:
-            groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
-    norms = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
-        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms))
-    for group in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
-    return total
-
-
 def float64_norm(model) -> float:
     """The total gradient norm of ``model`` in float64, each gradient made whole first (one at a time): what the
     clip's fp32 norm should be, to tell which variant's norm rounds."""
@@ -253,7 +235,7 @@ def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int, l
         # one mesh for every parameter (hf_moe_tp): torch's clip_grad_norm_; two (transformers: the fsdp mesh
         # for what TP leaves whole, (fsdp, tp) for the rest; with PEFT, plain adapters beside DTensor ones):
         # torch's refuses them, so the per-mesh one
-        clip = clip_grad_norm_per_mesh_ if name in (NATIVE, NATIVE_EP, NATIVE_LORA) else torch.nn.utils.clip_grad_norm_
+        clip = hf_moe_tp.clip_grad_norm_ if name in (NATIVE, NATIVE_EP, NATIVE_LORA) else torch.nn.utils.clip_grad_norm_
         history[name] = []
 
         stepper = trainer_step(model) if name == OURS_TRAINER else None

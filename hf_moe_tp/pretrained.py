@@ -247,7 +247,7 @@ def make_layout(parallel: ParallelConfig, device_mesh: DeviceMesh | None = None,
     check_mode(parallel.check_inputs)  # the environment variable's mode too
     layout = resolve_layout(device_mesh, parallel.ep_size, parallel.fsdp_size, parallel.dp_replicate_size)
     if timeout is not None:
-        set_timeout([layout.tp, layout.ep, layout.dp, layout.expert_dp], timeout)
+        set_timeout(layout.meshes(), timeout)
     parallel.check_layout(layout)
     return layout
 
@@ -346,8 +346,7 @@ def wrap(model: nn.Module, layout: Layout, parallel: ParallelConfig, timeout: fl
     """What a loaded ``model`` does beyond its forward: expert gradients divided under FSDP2, the expert-bias
     update, the balancing term of the global batch, ``save_pretrained``, ``resize_token_embeddings``, continuous
     batching, its layout declared in transformers' terms (for its Trainer, accelerate, continuous batching, PEFT),
-    failed collectives explained, and (last, so its
-    hook runs first) the input check."""
+    failed collectives explained, and (last, so its hook runs first) the input check."""
     if layout.dp is not None:
         divide_expert_gradients(model)
     if parallel.expert_bias_update_rate is not None:
@@ -357,7 +356,7 @@ def wrap(model: nn.Module, layout: Layout, parallel: ParallelConfig, timeout: fl
     bind_resize(model)
     declare(model, layout, _ep_size(model, layout))  # to transformers, its Trainer and accelerate
     bind_continuous_batching(model, layout, dist.get_world_size() if dist.is_initialized() else 1)
-    explain_collective_failures(model, [layout.tp, layout.ep, layout.dp, layout.expert_dp], timeout)
+    explain_collective_failures(model, layout.meshes(), timeout)
     check_inputs_on(model, layout.tp, parallel.check_inputs)
 
 

@@ -74,12 +74,11 @@ def _check_declared(results: list[dict], layout: str) -> None:
     """Each rank's transformers meshes (``_mesh_manager``, ``_device_mesh``) hold the ranks the layout puts beside
     it, and ``config.distributed_config`` its sizes."""
     replicate, shard, tp, ep = SIZES[layout]
-    grid = list(range(len(results)))
     for r in results:
         i, j, k = r["rank"] // (shard * tp), r["rank"] // tp % shard, r["rank"] % tp
-        lines = {"dp_replicate": [grid[x * shard * tp + j * tp + k] for x in range(replicate)],
-                 "fsdp": [grid[i * shard * tp + x * tp + k] for x in range(shard)],
-                 "tp": [grid[i * shard * tp + j * tp + x] for x in range(tp)]}
+        lines = {"dp_replicate": [x * shard * tp + j * tp + k for x in range(replicate)],
+                 "fsdp": [i * shard * tp + x * tp + k for x in range(shard)],
+                 "tp": [i * shard * tp + j * tp + x for x in range(tp)]}
         assert r["declared"] == lines and r["names"] == ("pp", "fsdp", "tp"), r
         assert r["sizes"] == (replicate, shard, tp, ep, shard), r
         # experts over the TP ranks, or at a TP size of 1 over consecutive data-parallel ranks (efsdp)

@@ -76,10 +76,11 @@ def shard_data_parallel(
         logger.warning("CPU offload on a CPU mesh: the parameters already live in CPU memory; nothing to offload")
         offload_policy = None
     kwargs = {"mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload_policy or OffloadPolicy()}
-    ignored = _expert_params_over_batches(model, dp_mesh if expert_mesh is None else None)
     if expert_mesh is not None:
-        _shard_experts(model, ignored, expert_mesh, reshard_after_forward, kwargs)
-        ignored = set()
+        _shard_experts(model, expert_mesh, reshard_after_forward, kwargs)
+        ignored: set[nn.Parameter] = set()
+    else:
+        ignored = _expert_params_over_batches(model, dp_mesh)
     layers = decoder_layers(model)
     last = layers[-1] if layers else None
     for modules, reshard in units(model):
@@ -103,14 +104,12 @@ def shard_data_parallel(
     return model
 
 
-def _shard_experts(model: nn.Module, params: set[nn.Parameter], mesh: DeviceMesh, reshard: bool,
-                   kwargs: dict) -> None:
-    """Each module owning expert ``params`` (whole experts over ``ep``, each ep rank its own batch) a unit over
-    ``mesh`` (``efsdp``), before the layer holding it. FSDP2 divides their gradients by ``mesh``'s size; they sum
-    the tokens of every ep rank too, so by the ep size as well: every data-parallel rank's, as for the rest."""
-    owners = [m for m in model.modules() if any(p in params for p in m.parameters(recurse=False))]
-    for module in owners:
-        ep = next(p for p in module.parameters(recurse=False) if p in params).device_mesh["ep"].size()
+def _shard_experts(model: nn.Module, mesh: DeviceMesh, reshard: bool, kwargs: dict) -> None:
+    """Each module holding experts over batches (:func:`_expert_modules`) a unit over ``mesh`` (``efsdp``), before
+    the layer holding it. FSDP2 divides their gradients by ``mesh``'s size; they sum the tokens of every ep rank
+    too, so by the ep size as well: every data-parallel rank's, as for the rest."""
+    for module, params in _expert_modules(model):
+        ep = params[0].device_mesh["ep"].size()
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **kwargs)
         module.set_gradient_divide_factor(float(mesh.size() * ep))
         if mesh.device_type == "cpu":  # that factor is a PREMUL_SUM reduction, which gloo lacks: sum, then divide
@@ -209,12 +208,11 @@ def _lookup_only(module: nn.Module) -> bool:
     return isinstance(module, nn.Embedding) and list(module.parameters()) == [module.weight]
 
 
-def _expert_params_over_batches(model: nn.Module, dp_mesh: DeviceMesh | None) -> set[nn.Parameter]:
+def _expert_params_over_batches(model: nn.Module, dp_mesh: DeviceMesh) -> set[nn.Parameter]:
     """Parameters on a 2-D mesh with an ``"ep"`` dimension (the ``(ep, tp)`` layout): whole experts per rank,
-    fed every ep rank's tokens. Unless they have a mesh of their own (``dp_mesh`` None), FSDP2 leaves them and
-    :func:`divide_expert_gradients` averages their gradients: the data-parallel ranks must then be the ep ranks."""
+    fed every ep rank's tokens. FSDP2 leaves them; :func:`divide_expert_gradients` averages their gradients."""
     out = set(_over_batches(model))
-    if out and dp_mesh is not None and dp_mesh.size() != next(iter(out)).device_mesh["ep"].size():
+    if out and dp_mesh.size() != next(iter(out)).device_mesh["ep"].size():
         raise ValueError(f"FSDP over {dp_mesh.size()} ranks with experts over an 'ep' dimension of "
                          f"{next(iter(out)).device_mesh['ep'].size()}: the data-parallel ranks must be the ep ranks")
     return out
@@ -235,9 +233,17 @@ def divide_expert_gradients(model: nn.Module) -> None:
 
 
 def _over_batches(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters of ``model``'s ExpertParallel modules on a 2-D ``(ep, tp)`` mesh: whole experts per rank, fed
-    every ep rank's tokens. (FSDP2 puts the dense layers of that layout on an ``(ep, tp)`` mesh too, and experts
+    """The parameters of :func:`_expert_modules`."""
+    return [p for _, params in _expert_modules(model) for p in params]
+
+
+def _expert_modules(model: nn.Module) -> Iterator[tuple[nn.Module, list[nn.Parameter]]]:
+    """``model``'s ExpertParallel modules with their parameters on a 2-D ``(ep, tp)`` mesh: whole experts per rank,
+    fed every ep rank's tokens. (FSDP2 puts the dense layers of that layout on an ``(ep, tp)`` mesh too, and experts
     it shards over ``efsdp`` on a mesh with that dimension in front: neither is one of these.)"""
-    return [p for m in model.modules() if isinstance(getattr(m, "hf_moe_tp_style", None), ExpertParallel)
-            for p in m.parameters(recurse=False)
-            if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ()) and p.device_mesh.ndim == 2]
+    for module in model.modules():
+        if isinstance(getattr(module, "hf_moe_tp_style", None), ExpertParallel):
+            params = [p for p in module.parameters(recurse=False) if isinstance(p, DTensor)
+                      and "ep" in (p.device_mesh.mesh_dim_names or ()) and p.device_mesh.ndim == 2]
+            if params:
+                yield module, params

@@ -69,6 +69,10 @@ class Layout:
     dp: DeviceMesh | None = None
     expert_dp: DeviceMesh | None = None  # experts' FSDP2 mesh where it is not ``dp`` (transformers' ``efsdp``)
 
+    def meshes(self) -> list[DeviceMesh]:
+        """The meshes the model's collectives run on (those it has)."""
+        return [m for m in (self.tp, self.ep, self.dp, self.expert_dp) if m is not None]
+
 
 def resolve_layout(device_mesh: DeviceMesh | None = None, ep_size: int | None = None, fsdp_size: int | None = None,
                    dp_replicate_size: int | None = None) -> Layout:
@@ -164,7 +168,8 @@ class TransformersMeshes:
     whose ``get_mesh`` transformers and its tests call): ``dense`` (pp, dp_replicate, fsdp, tp) for attention,
     dense layers and embeddings; ``experts`` (pp, dp_replicate, efsdp, ep) where experts are split whole over
     ranks (on an ``(ep, tp)`` mesh, ``efsdp`` holds the ranks with the same experts: replicas here, where
-    transformers shards them), None otherwise."""
+    transformers shards them) and, with an ep of 1, at a TP size of 1 (transformers' expert mesh there); None
+    otherwise."""
 
     dense: DeviceMesh
     experts: DeviceMesh | None = None
@@ -183,8 +188,7 @@ class TransformersMeshes:
 
 def _groups(layout: Layout) -> list[dist.ProcessGroup]:
     """Every process group of ``layout``'s meshes (and of the mesh its TP mesh was cut from), and the world's."""
-    meshes = [m for m in (layout.tp, layout.ep, layout.dp, layout.expert_dp, root_mesh(layout.tp)) if m is not None]
-    return [dist.group.WORLD] + [g for m in meshes for g in m.get_all_groups()]
+    return [dist.group.WORLD] + [g for m in [*layout.meshes(), root_mesh(layout.tp)] for g in m.get_all_groups()]
 
 
 def _view(ranks: torch.Tensor, names: tuple[str, ...], groups: list[dist.ProcessGroup], device: str) -> DeviceMesh:
@@ -203,16 +207,15 @@ def _view(ranks: torch.Tensor, names: tuple[str, ...], groups: list[dist.Process
     return DeviceMesh.from_group(found, device, ranks, mesh_dim_names=names)
 
 
-_singles: dict[int, dist.ProcessGroup] = {}
+_single: list = [None, None]  # (the world it was made in, this rank's group of one)
 
 
 def _alone() -> dist.ProcessGroup:
-    """This rank's group of one (made once per world; only this rank takes part)."""
-    key = id(dist.group.WORLD)
-    if key not in _singles:
-        _singles.clear()
-        _singles[key] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    return _singles[key]
+    """This rank's group of one (made once per world; only this rank takes part). The world object is held, not its
+    id: a later world could reuse a freed object's id."""
+    if _single[0] is not dist.group.WORLD:
+        _single[:] = [dist.group.WORLD, dist.new_group([dist.get_rank()], use_local_synchronization=True)]
+    return _single[1]
 
 
 def _world(layout: Layout) -> torch.Tensor:
