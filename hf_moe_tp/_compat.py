@@ -55,6 +55,14 @@ PRIVATE: dict[str, Private] = {p.path: p for p in (
             "whether an expert class gates as transformers' default (else its own gate is used)"),
     Private("transformers", "transformers.distributed.parallel_utils:ALL_PARALLEL_STYLES._global_mapping",
             TRANSFORMERS, "uninstall() removes our style names from transformers' registry"),
+    Private("torch", "torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam", TORCH,
+            "resize_token_embeddings under FSDP2: the resized parameter gets a new FSDPParam in its unit's group "
+            "(with FSDPModule._get_fsdp_state, the state's _fsdp_param_groups, a group's fsdp_params and "
+            "_init_mp_dtypes, a FSDPParam's _module_info)"),
+    Private("torch", "torch.distributed.fsdp:FSDPModule._get_fsdp_state", TORCH,
+            "the FSDP2 state (its parameter groups) of a unit, for resize_token_embeddings under FSDP2"),
+    Private("torch", "torch.distributed.fsdp._fully_shard._fsdp_param_group:FSDPParamGroup._init_mp_dtypes", TORCH,
+            "a unit's dtypes computed again after resize_token_embeddings replaced one of its parameters"),
     Private("transformers", "transformers.modeling_utils:PreTrainedModel._get_resized_embeddings", TRANSFORMERS,
             "resize_token_embeddings on our models runs transformers' own resize on gathered plain modules"),
     Private("transformers", "transformers.modeling_utils:PreTrainedModel._get_resized_lm_head", TRANSFORMERS,
@@ -249,3 +257,31 @@ def drop_forward_hooks(module, drop) -> None:
                 for extra in (module._forward_pre_hooks_with_kwargs, module._forward_hooks_with_kwargs,
                               module._forward_hooks_always_called):
                     extra.pop(key, None)
+
+
+def fsdp_replace_param(model, module, name: str) -> bool:
+    """Hand FSDP2 ``module``'s parameter ``name`` again after it was replaced by one of another shape (a resized
+    embedding): a new FSDPParam made from it (FSDP2 shards it and sets the shard on ``module`` and on the modules
+    sharing it, a tied head) takes the old one's place in its unit's group. The group must be sharded (call
+    ``reshard()`` on the model's units first). False where no FSDP2 unit of ``model`` holds it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp_param = resolve("torch.distributed.fsdp._fully_shard._fsdp_param:FSDPParam")
+    for unit in model.modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        for group in unit._get_fsdp_state()._fsdp_param_groups:
+            for i, old in enumerate(group.fsdp_params):
+                info = old._module_info
+                shared = zip(info.shared_modules, info.shared_param_names, strict=True)
+                owners = [(info.module, info.param_name), *shared]
+                if not any(m is module and n == name for m, n in owners):
+                    continue
+                new = fsdp_param(module._parameters[name], info, group.mesh_info, group.post_forward_mesh_info,
+                                 group.device, None, group.mp_policy, group.offload_policy)
+                if hasattr(old, "_param_fqn"):
+                    new._param_fqn = old._param_fqn
+                group.fsdp_params[i] = new
+                group._init_mp_dtypes()
+                return True
+    return False

@@ -5,7 +5,8 @@ vocabulary that divides by the TP size (split) and to one that does not (replica
 old-vocabulary logits unchanged, the new embeddings and output projection equal on every rank and to
 transformers' (exact), the logits (1e-5, relative to their largest where that exceeds 1), one training step's loss
 and gradients (1e-5) with a new token in the batch, and the resized model saved and read back by both loaders.
-Under FSDP2 the call is refused by name."""
+Under FSDP2 (2 ranks) and FSDP2 x TP (4 ranks) the same, and the resized parameters FSDP2's again: sharded over
+the data-parallel ranks beside their TP placement."""
 
 from __future__ import annotations
 
@@ -18,12 +19,15 @@ from transformers import AutoModelForCausalLM
 
 import hf_moe_tp
 
-CASES = {  # from_pretrained arguments, resize arguments, the placement of the resized weights
-    "grow_split": (dict(), dict(new_num_tokens=136, mean_resizing=False), Shard(0)),
-    "grow_replicated_mean": (dict(), dict(new_num_tokens=131), Replicate()),
-    "shrink": (dict(), dict(new_num_tokens=120, mean_resizing=False), Shard(0)),
-    "pad_to_multiple": (dict(), dict(new_num_tokens=129, pad_to_multiple_of=16, mean_resizing=False), Shard(0)),
-    "ep_grow_mean": (dict(ep_size=2), dict(new_num_tokens=140), Shard(0)),
+CASES = {  # from_pretrained arguments, resize arguments, the TP placement of the resized weights, ranks
+    "grow_split": (dict(), dict(new_num_tokens=136, mean_resizing=False), Shard(0), 2),
+    "grow_replicated_mean": (dict(), dict(new_num_tokens=131), Replicate(), 2),
+    "shrink": (dict(), dict(new_num_tokens=120, mean_resizing=False), Shard(0), 2),
+    "pad_to_multiple": (dict(), dict(new_num_tokens=129, pad_to_multiple_of=16, mean_resizing=False), Shard(0), 2),
+    "ep_grow_mean": (dict(ep_size=2), dict(new_num_tokens=140), Shard(0), 2),
+    "fsdp_grow_mean": (dict(fsdp_size=2), dict(new_num_tokens=131), Shard(0), 2),  # TP 1: every count divides
+    "fsdp_tp_grow_split": (dict(fsdp_size=2), dict(new_num_tokens=136, mean_resizing=False), Shard(0), 4),
+    "fsdp_tp_shrink_replicated": (dict(fsdp_size=2), dict(new_num_tokens=119, mean_resizing=False), Replicate(), 4),
 }
 
 
@@ -35,6 +39,12 @@ def checkpoints(tmp_path_factory):
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _over_batches(t: torch.Tensor) -> bool:
+    """Whether ``t`` is sharded over the data-parallel ranks (FSDP2's ``fsdp`` dimension of its mesh)."""
+    names = (t.device_mesh.mesh_dim_names or ()) if isinstance(t, DTensor) else ()
+    return "fsdp" in names and not t.placements[names.index("fsdp")].is_replicate()  # Shard or _StridedShard
 
 
 def _error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -50,16 +60,18 @@ def _resize(path: str, kwargs: dict, resize: dict, out: str) -> dict:
     before = model(ids).logits
     torch.manual_seed(7 + 100 * dist.get_rank())  # rank 0 seeded as the reference; the others not
     model.resize_token_embeddings(**resize)
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    sharded = tuple(_over_batches(p) for p in (emb.weight, head.weight))  # before a forward gathers them
     after = model(ids).logits
     ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
     torch.manual_seed(7)
     ref.resize_token_embeddings(**resize)
-    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     ref_emb, ref_head = ref.get_input_embeddings(), ref.get_output_embeddings()
     count = ref_emb.weight.shape[0]
     facts = {
         "count": (emb.weight.shape[0], head.weight.shape[0], model.config.vocab_size, emb.num_embeddings, count),
-        "placements": (emb.weight.placements, head.weight.placements),
+        "placements": (emb.weight.placements[-1:], head.weight.placements[-1:]),  # the TP placement
+        "fsdp": sharded,
         "tied": head.weight is emb.weight,
         "old_logits": (after[..., :min(new, old_vocab)] - before[..., :min(new, old_vocab)]).abs().max().item(),
         "embeddings": (_whole(emb.weight) - ref_emb.weight).abs().max().item(),
@@ -88,8 +100,8 @@ def _resize(path: str, kwargs: dict, resize: dict, out: str) -> dict:
 @pytest.mark.parametrize("tied", ["untied", "tied"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_resize_matches_transformers(ranks, checkpoints, tmp_path, case, tied):
-    kwargs, resize, placement = CASES[case]
-    results = ranks(2).run(_resize, checkpoints[tied], kwargs, resize, str(tmp_path / "resized"))
+    kwargs, resize, placement, world = CASES[case]
+    results = ranks(world).run(_resize, checkpoints[tied], kwargs, resize, str(tmp_path / "resized"))
     count = results[0]["count"][-1]
     for r in results:
         assert r["count"] == (count,) * 5, r
@@ -97,20 +109,7 @@ def test_resize_matches_transformers(ranks, checkpoints, tmp_path, case, tied):
             assert r["tied"] and r["placements"] == ((Replicate(),),) * 2, r
         else:
             assert r["placements"] == ((placement,),) * 2, r
+        assert r["fsdp"] == (("fsdp_size" in kwargs,) * 2), r
         assert r["old_logits"] == 0.0 and r["embeddings"] == 0.0 and r["head"] == 0.0, r
         assert r["logits"] <= 1e-5 and r["loss"] <= 1e-5 and r["grad"] <= 1e-5, r
         assert r["reloaded"] <= 1e-5 and r["plain_reloaded"] <= 1e-5, r
-
-
-def _refused_under_fsdp(path: str) -> str:
-    model = hf_moe_tp.from_pretrained(path, fsdp_size=2)
-    try:
-        model.resize_token_embeddings(136)
-    except ValueError as e:
-        return str(e)
-    return "not refused"
-
-
-def test_refused_under_fsdp(ranks, checkpoints):
-    for message in ranks(2).run(_refused_under_fsdp, checkpoints["untied"]):
-        assert message.startswith("resize_token_embeddings on a model loaded with FSDP2"), message

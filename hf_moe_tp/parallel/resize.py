@@ -8,6 +8,9 @@ modules (its random or mean-and-covariance rows, whole-vocabulary statistics inc
 0 (so every rank holds the same rows, and rank 0's seed gives plain transformers' rows), and places each module
 again: the same style where the new vocabulary divides by the TP size, replicated where it does not. The modules
 stay the same objects, so other hooks on them (gradient checkpointing's ``enable_input_require_grads``) stay.
+Under FSDP2 the units are resharded first, and each resized parameter, placed on the TP mesh, is handed to FSDP2
+again in its unit (a new FSDP2 parameter in the old one's place), so it is sharded over the data-parallel ranks as
+at load.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import types
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from .._compat import MODEL_RESIZED_EMBEDDINGS, MODEL_RESIZED_HEAD, drop_forward_hooks
+from .._compat import MODEL_RESIZED_EMBEDDINGS, MODEL_RESIZED_HEAD, drop_forward_hooks, fsdp_replace_param
 from .linear import ColumnParallel
 from .styles import LocalParams, VocabParallelEmbedding
 
@@ -37,14 +41,13 @@ def resize_token_embeddings(model: nn.Module, new_num_tokens: int | None = None,
     """transformers' ``resize_token_embeddings`` for a model loaded by hf_moe_tp, at TP and EP: every rank of the job
     calls it (a gather of the embeddings, a broadcast of the new rows). Grows or shrinks the input embeddings and an
     untied output projection (tied ones stay tied); ``pad_to_multiple_of`` and ``mean_resizing`` as in transformers.
-    Under FSDP2 it is refused: FSDP2 holds its parameters in its own flat groups, made at load time."""
-    if getattr(model, "hf_moe_tp_dp_mesh", None) is not None:
-        raise ValueError("resize_token_embeddings on a model loaded with FSDP2 (fsdp_size / dp_replicate_size): FSDP2 "
-                         "groups its parameters at load time and cannot take a resized embedding; resize at TP or EP "
-                         "and save_pretrained, or save, resize in one process and load the resized checkpoint")
+    Under FSDP2 (and HSDP) too: the resized parameters are sharded over the data-parallel ranks again."""
     embeddings = model.get_input_embeddings()
     if new_num_tokens is None and pad_to_multiple_of is None:
         return embeddings
+    for unit in model.modules():  # FSDP2 takes a new parameter only into a sharded unit
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is embeddings.weight
     old = embeddings.weight.shape[0]
@@ -59,7 +62,7 @@ def resize_token_embeddings(model: nn.Module, new_num_tokens: int | None = None,
         weights["head"] = _same_on_every_rank(new_head.weight.data, old)
         if new_head.bias is not None:
             weights["bias"] = _same_on_every_rank(new_head.bias.data, old)
-    _place(embeddings, {"weight": weights["embeddings"]}, count)
+    _place(model, embeddings, {"weight": weights["embeddings"]}, count)
     embeddings.num_embeddings = count
     if embeddings.padding_idx is not None and embeddings.padding_idx >= count:
         embeddings.padding_idx = None
@@ -67,7 +70,8 @@ def resize_token_embeddings(model: nn.Module, new_num_tokens: int | None = None,
         head.weight = embeddings.weight
         head.out_features = count
     elif head is not None:
-        _place(head, {"weight": weights["head"], **({"bias": weights["bias"]} if "bias" in weights else {})}, count)
+        _place(model, head, {"weight": weights["head"], **({"bias": weights["bias"]} if "bias" in weights else {})},
+               count)
         head.out_features = count
     model.config.get_text_config().vocab_size = count
     model.vocab_size = count
@@ -105,21 +109,25 @@ def _same_on_every_rank(new: torch.Tensor, old_rows: int) -> torch.Tensor:
     return new.contiguous()
 
 
-def _place(module: nn.Module, tensors: dict[str, torch.Tensor], rows: int) -> None:
-    """``module`` with plain ``tensors`` as its parameters, placed again: its style where ``rows`` divides by the
-    TP size, replicated (computed locally) otherwise; the placement's hooks of before removed."""
-    params = [module._parameters[name] for name in tensors]
-    mesh = next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
+def _place(model: nn.Module, module: nn.Module, tensors: dict[str, torch.Tensor], rows: int) -> None:
+    """``module`` with plain ``tensors`` as its parameters, placed again: its style on the TP mesh where ``rows``
+    divides by the TP size, replicated (computed locally) otherwise; the placement's hooks of before removed; then,
+    under FSDP2, each parameter handed to FSDP2 again in its unit."""
+    placed = [p for p in (module._parameters[name] for name in tensors) if isinstance(p, DTensor)]
+    # the model's TP mesh: under FSDP2 a parameter's mesh also holds the data-parallel dimensions
+    mesh = getattr(model, "hf_moe_tp_mesh", None) or (placed[0].device_mesh if placed else None)
     _drop_placement_hooks(module)
     for name, tensor in tensors.items():
         module._parameters[name] = nn.Parameter(tensor, requires_grad=module._parameters[name].requires_grad)
-    if mesh is None:  # never placed (a model of one process): plain parameters
+    if not placed or mesh is None:  # never placed (a model of one process): plain parameters
         return
     style = getattr(module, STYLE, None)
     if style is None or (isinstance(style, VocabParallelEmbedding | ColumnParallel) and rows % mesh.size()):
         style = LocalParams(sum_grads=False)
     style._apply(module, mesh)
     setattr(module, STYLE, style)
+    for name in tensors:
+        fsdp_replace_param(model, module, name)
 
 
 def _drop_placement_hooks(module: nn.Module) -> None:
