@@ -89,11 +89,19 @@ def reference_steps(path: str, steps: list[torch.Tensor]) -> tuple[list[float], 
     return losses, norms
 
 
-def train_steps(path: str, kwargs: dict, steps: int = STEPS, fused: bool = False) -> dict:
-    """``steps`` steps at the layout ``kwargs`` give and in one process; per-step loss and total norm."""
+def train_steps(path: str, kwargs: dict, steps: int = STEPS, fused: bool = False, infer_first: bool = False) -> dict:
+    """``steps`` steps at the layout ``kwargs`` give and in one process; per-step loss and total norm. With
+    ``infer_first``, an evaluation forward and a generate before them (as a trainer's evaluation, or an RL
+    trainer's rollouts, leave the model)."""
     model = layout_model(path, kwargs)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=fused or None)
     data = batches(model.config.vocab_size, steps)
+    if infer_first:
+        model.eval()
+        with torch.no_grad():
+            model(data[0][:2])
+        model.generate(data[0][:2, :4], max_new_tokens=2, do_sample=False)
+        model.train()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loss, norm = run_steps(model, opt, data)
@@ -484,6 +492,15 @@ def test_fsdp2_experts_in_the_checkpoints_memory_order(ranks, checkpoints):
     ``w1`` view a transpose of them), and the model matches transformers."""
     for r in ranks(4).run(_memory_order, checkpoints("mixtral")):
         assert r["diff"] <= TOL and r["contiguous"] and r["view_strides"], r
+
+
+@pytest.mark.parametrize("layout", ["dp4", "dp2_tp2"])
+def test_training_after_inference_with_fsdp(ranks, checkpoints, layout):
+    """Training after forwards without a backward (evaluation, generate), which leave the units FSDP2 keeps
+    gathered after forward (the last decoder layer, the final norm with the output projection) gathered: the
+    gradients of their parameters reach FSDP2 before it reduces them (the model's whole-forward swap of local
+    parameters used to take them first, and their gradients arrived after the reduction: lost)."""
+    check(ranks(4).run(train_steps, checkpoints("mixtral"), LAYOUTS[layout], infer_first=True))
 
 
 def _inference_after_fsdp(path: str) -> dict:

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from .._compat import MODEL_FSDP_MANAGED, MODEL_FSDP_PLAN, MODEL_NO_SPLIT
 from .expert_parallel import ExpertParallel
 from .hf_plan import matches
+from .styles import IN_FSDP_UNIT
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,10 @@ def shard_data_parallel(
                     **kwargs)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None,
                 **kwargs)
+    for unit in model.modules():  # the root's whole-forward swap leaves their parameters to their own modules
+        if isinstance(unit, FSDPModule) and unit is not model:
+            for module in unit.modules():
+                setattr(module, IN_FSDP_UNIT, True)
     if not any(p.is_meta for p in ignored):
         divide_expert_gradients(model)
     setattr(model, MODEL_FSDP_MANAGED, True)  # transformers' generate then keeps the data-parallel ranks in step

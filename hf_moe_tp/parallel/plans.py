@@ -373,7 +373,7 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
              if isinstance(style := _style_for(name, resolved), LocalParams) and not style.sum_grads
              for n, p in module.named_parameters(recurse=False) if p is not None]
     if local:
-        swap_to_local(model, local)
+        swap_to_local(model, local, inside_units=False)
         # convolutions their parent calls functionally (``conv1d.weight`` in Mamba and gated-delta mixers): under
         # FSDP2 the layer's unshard puts DTensors back after the root's swap, so the parent swaps them too
         for name, module in model.named_modules():
