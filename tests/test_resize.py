@@ -5,7 +5,7 @@ vocabulary that divides by the TP size (split) and to one that does not (replica
 old-vocabulary logits unchanged, the new embeddings and output projection equal on every rank and to
 transformers' (exact), the logits (1e-5, relative to their largest where that exceeds 1), one training step's loss
 and gradients (1e-5) with a new token in the batch, and the resized model saved and read back by both loaders.
-Under FSDP2 (2 ranks) and FSDP2 x TP (4 ranks) the same, and the resized parameters FSDP2's again: sharded over
+Under FSDP2 (2 ranks), FSDP2 x TP and HSDP (4 ranks) the same, and the resized parameters FSDP2's again: sharded over
 the data-parallel ranks beside their TP placement."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ CASES = {  # from_pretrained arguments, resize arguments, the TP placement of th
     "fsdp_grow_mean": (dict(fsdp_size=2), dict(new_num_tokens=131), Shard(0), 2),  # TP 1: every count divides
     "fsdp_tp_grow_split": (dict(fsdp_size=2), dict(new_num_tokens=136, mean_resizing=False), Shard(0), 4),
     "fsdp_tp_shrink_replicated": (dict(fsdp_size=2), dict(new_num_tokens=119, mean_resizing=False), Replicate(), 4),
+    "hsdp_grow_mean": (dict(dp_replicate_size=2, fsdp_size=2), dict(new_num_tokens=133), Shard(0), 4),  # TP 1
 }
 
 
