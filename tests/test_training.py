@@ -151,6 +151,21 @@ def test_fsdp_layouts_match_one_process(ranks, checkpoints, family, layout):
     check(ranks(4).run(train_steps, checkpoints(family), LAYOUTS[layout]))
 
 
+EIGHT = {  # 8 real ranks (the fake process group checks these layouts' shards, not their collectives)
+    "dp4_tp2": dict(fsdp_size=4),
+    "dp2_tp4": dict(fsdp_size=2),
+    "dp4_ep2_tp2": dict(fsdp_size=4, ep_size=2),  # experts over each pair of TP ranks, FSDP2 over the four pairs
+    "dp_replicate2_dp2_tp2": dict(dp_replicate_size=2, fsdp_size=2, read_once=False),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(EIGHT))
+def test_eight_ranks_match_one_process(ranks, checkpoints, layout):
+    """Training on 8 gloo ranks: per-step loss and clipped total norm equal one process."""
+    check(ranks(8).run(train_steps, checkpoints("mixtral"), EIGHT[layout]))
+
+
 @pytest.mark.parametrize("layout", sorted(EXPERT_FSDP))
 def test_experts_fsdp_apart_match_one_process(ranks, checkpoints, layout):
     """Experts FSDP2-sharded over ranks of their own (two meshes: hf_moe_tp.clip_grad_norm_ clips over both)."""
