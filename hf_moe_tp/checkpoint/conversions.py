@@ -10,7 +10,7 @@ storage (quantized tensors, FP8 weights kept with their scales). Its parts:
   GroupedExperts' ``gate_up_proj``/``down_proj`` (:class:`hf_moe_tp.checkpoint.sources.Source` per tensor).
 - Fused and split tensors: transformers' ``Concatenate``/``Split``/``Chunk`` converters become sources that
   fill part of a parameter (a ``Chunk`` after an ``Interleave``: every other row), ``Interleave`` on packed
-  experts a layout flag.
+  experts a layout flag; a ``PermuteForRope`` after them (or alone) reads each head's rows in two strided halves.
 - Everything else: the checkpoint tensor of the same name.
 """
 
@@ -27,6 +27,7 @@ from transformers.core_model_loading import (
     Chunk,
     Concatenate,
     Interleave,
+    PermuteForRope,
     Split,
     Transpose,
     WeightConverter,
@@ -172,7 +173,7 @@ def _converted_sources(model: nn.Module, converters: list[WeightConverter], targ
             if pattern is None:
                 continue
             ops = getattr(conv, "operations", [])
-            if _readable(ops):
+            if _readable(_without_rope(ops)):
                 target = _with_prefix(target, targets, prefix)
                 groups.setdefault((converters.index(conv), target), []).append(
                     (conv.source_patterns.index(pattern), name))
@@ -180,8 +181,12 @@ def _converted_sources(model: nn.Module, converters: list[WeightConverter], targ
     out: dict[str, list[Source]] = {}
     for (index, target), pieces in groups.items():
         conv = converters[index]
-        op = conv.operations[0]
-        if isinstance(op, Transpose):  # one checkpoint tensor stored (in, out): the parameter reads it transposed
+        ops = _without_rope(conv.operations)
+        op = ops[0] if ops else None
+        if op is None:  # a PermuteForRope alone: the tensor itself, its rows reordered below
+            if target in targets:
+                out[target] = [identity(pieces[0][1], tuple(shapes[pieces[0][1]]))]
+        elif isinstance(op, Transpose):  # one checkpoint tensor stored (in, out): the parameter reads it transposed
             if target not in targets:
                 continue
             name = pieces[0][1]
@@ -209,7 +214,7 @@ def _converted_sources(model: nn.Module, converters: list[WeightConverter], targ
             out[target] = srcs
         else:  # one checkpoint tensor -> one parameter per target pattern, in order
             interleaved = isinstance(op, Interleave)
-            op = conv.operations[-1]
+            op = ops[-1]
             for _, name in pieces:
                 shape = tuple(shapes[name])
                 dim = op.dim % len(shape)
@@ -226,6 +231,53 @@ def _converted_sources(model: nn.Module, converters: list[WeightConverter], targ
                 for n, (first, step) in zip(names, axes, strict=True):
                     dims = tuple(Axis(i, start=first, step=step) if i == dim else Axis(i) for i in range(len(shape)))
                     out[n] = [Source(name, dims, shape)]
+        rope = conv.operations[-1] if _without_rope(conv.operations) is not conv.operations else None
+        if rope is not None:
+            for pattern in conv.target_patterns:
+                n = target.replace(conv.target_patterns[0], pattern) if len(conv.target_patterns) > 1 else target
+                permuted = rope.permute_layer_names is None or any(
+                    p in (pattern if ops else conv.source_patterns[0]) for p in rope.permute_layer_names)
+                if n in out and permuted:
+                    out[n] = _rope_rows(out[n], targets[n].shape[0], _heads(model, rope))
+    return out
+
+
+def _without_rope(ops: list) -> list:
+    """``ops`` less a last ``PermuteForRope`` (the same list where there is none, or where it is inverse: then
+    the list is left as unreadable as it is)."""
+    if ops and type(ops[-1]) is PermuteForRope and not ops[-1].inverse:
+        return ops[:-1]
+    return ops
+
+
+def _heads(model: nn.Module, rope: PermuteForRope) -> int:
+    """The head count transformers' ``PermuteForRope`` reads: from the config it is given (the model's), or its
+    ``subconfig_key`` sub-config."""
+    config = model.config
+    if rope.subconfig_key is not None:
+        config = getattr(config, rope.subconfig_key, config)
+    return getattr(config, "num_attention_heads", 1)
+
+
+def _rope_rows(sources: list[Source], rows: int, heads: int) -> list[Source]:
+    """``sources`` (one, along the parameter's rows) with transformers' ``PermuteForRope`` applied: each head's
+    rows stored as interleaved (real, imaginary) pairs become its even rows, then its odd ones (rotate-half), so
+    the head's two halves read every other row of it. Left as they were (the parameter then missing, refused by
+    name) where the rows do not split into heads of even size."""
+    if len(sources) != 1 or rows % heads or (rows // heads) % 2:
+        return [] if len(sources) == 1 else sources
+    (source,) = sources
+    axis = source.dims[0]
+    if not isinstance(axis, Axis) or axis.size is not None:
+        return []
+    head = rows // heads
+    half = head // 2
+    out = []
+    for h in range(heads):
+        for i in range(2):
+            first = axis.start + axis.step * (h * head + i)
+            rows_axis = Axis(axis.dim, start=first, step=2 * axis.step, at=h * head + i * half, size=half)
+            out.append(Source(source.key, (rows_axis, *source.dims[1:]), source.shape))
     return out
 
 
@@ -241,7 +293,7 @@ def _readable(ops: list) -> bool:
     if type(last) not in (Concatenate, Split, Chunk):
         return False
     if len(ops) == 1:
-        return type(last) is Concatenate or last.num_shards_attribute is None
+        return type(last) is Concatenate or getattr(last, "num_shards_attribute", None) is None
     first = ops[0]
     return (len(ops) == 2 and type(first) is Interleave and not first.inverse and type(last) is not Concatenate
             and first.dim == last.dim)
