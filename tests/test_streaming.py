@@ -75,6 +75,43 @@ def test_named_weights_are_what_save_pretrained_writes(ranks, tmp_path, family, 
         assert r["tensors"] == r["count"] and 1 < r["batches"] < r["count"], r
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _dequantized_stream(path: str) -> dict:
+    """On the ranks (FP8 tensors do not travel back): the keys and the tensors that differ from the expected."""
+    from quantized_families import fp8_dequantize
+
+    stored = _saved(Path(path))
+    model = hf_moe_tp.from_pretrained(path, keep_quantized=True)
+    kept = dict(hf_moe_tp.named_weights(model))
+    plain = dict(hf_moe_tp.named_weights(model, dequantize=torch.float32))
+    wrong = [k for k, t in kept.items() if t.dtype != stored[k].dtype or not torch.equal(_bytes(t), _bytes(stored[k]))]
+    for key, tensor in plain.items():
+        scale = stored.get(f"{key}_scale_inv")
+        want = stored[key] if scale is None else fp8_dequantize(stored[key], scale, (16, 16))
+        if tensor.dtype != want.dtype or not torch.equal(tensor, want):
+            wrong.append(f"{key} dequantized")
+    return {"kept": sorted(kept), "plain": sorted(plain), "wrong": wrong,
+            "fp8": sum(t.dtype == torch.float8_e4m3fn for t in kept.values())}
+
+
+def test_fp8_weights_dequantized_on_request(ranks, tmp_path):
+    """A model keeping an FP8 checkpoint's weights quantized (keep_quantized, TP 2; blocks of 16 that the shards
+    cut) streams them as stored (FP8 codes and ``_scale_inv`` grids, byte-equal to the checkpoint's), or with
+    ``dequantize=`` as plain weights: the checkpoint's keys less the scales, each equal to the hub's meaning of
+    the FP8 weight (codes times their block's scale, an independent reference) and the rest unchanged."""
+    from families import configs
+    from quantized_families import save_fp8
+
+    path = save_fp8(configs(uneven=True)["deepseek_v3"], tmp_path / "fp8", (16, 16))
+    stored = _saved(path)
+    for r in ranks(2).run(_dequantized_stream, str(path)):
+        assert r["kept"] == sorted(stored) and r["fp8"] > 0 and r["wrong"] == [], r
+        assert r["plain"] == sorted(k for k in stored if not k.endswith("_scale_inv")), r
+
+
 def _send(group: dist.ProcessGroup, batch: list[tuple[str, torch.Tensor]] | None) -> None:
     """The trainer's side of the test's engine protocol: a pickled header (names, shapes, dtypes; an empty one
     ends the stream), then each tensor, broadcast from the trainer's rank."""

@@ -26,6 +26,7 @@ from torch import nn
 
 from .._compat import root_mesh
 from ..runtime.agreement import agree, describe, rank
+from .quantized import SCALE_SUFFIX, fp8_to_float32, quantization_of, scale_values
 from .saving import _assemble, _plan, _wire
 
 
@@ -43,7 +44,8 @@ class StreamReport:
     seconds: float = 0.0
 
 
-def named_weights(model: nn.Module, *, to: int | str = "all") -> Iterator[tuple[str, torch.Tensor]]:
+def named_weights(model: nn.Module, *, to: int | str = "all", dequantize: torch.dtype | None = None
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``model``'s weights as ``(checkpoint key, whole tensor on CPU)``, one at a time, in the order and
     format ``save_pretrained`` writes them (transformers' keys, per-expert tensors where the family's checkpoints
     have them, FP8 weights and scales where the model keeps them quantized), from any layout (TP, EP, FSDP2, HSDP).
@@ -51,6 +53,10 @@ def named_weights(model: nn.Module, *, to: int | str = "all") -> Iterator[tuple[
     ``to="all"``: every rank of the model receives every tensor; ``to=rank`` (a global rank of the model): that
     rank alone, the others yield nothing. Every rank of the model must iterate to the end (each step is a
     collective); drop each tensor before asking for the next to keep one tensor of extra memory.
+
+    ``dequantize`` (a dtype): FP8 weights the model keeps quantized come dequantized to it (codes times their
+    block's scale, in fp32, rounded once), without their ``_scale_inv`` tensors, for an engine that takes plain
+    weights; the rest as stored.
     """
     ranks = _model_ranks(model)
     me = rank()
@@ -59,6 +65,9 @@ def named_weights(model: nn.Module, *, to: int | str = "all") -> Iterator[tuple[
     leader = 0 if 0 in ranks else ranks[0]  # where the save's gathers assemble each tensor
     receives = to == "all" or me == to
     entries, _ = _plan(model)
+    quantization = quantization_of(model.config) if dequantize is not None else None
+    block = quantization.block if quantization is not None else None
+    waiting: dict[str, torch.Tensor] = {}  # FP8 weights whose scales come next, when dequantizing
     error: tuple[str, BaseException] | None = None
     with torch.no_grad():
         for key, entry in entries.items():
@@ -67,7 +76,12 @@ def named_weights(model: nn.Module, *, to: int | str = "all") -> Iterator[tuple[
                 error = (key, failed)
             tensor = _deliver(model, assembled, entry, leader, to, me, error is None)
             if receives and error is None:
-                yield key, tensor
+                if dequantize is not None and key + SCALE_SUFFIX in entries:
+                    waiting[key] = tensor
+                elif (weight := key.removesuffix(SCALE_SUFFIX)) in waiting:  # the scales of the weight before
+                    yield weight, _dequantized(waiting.pop(weight), tensor, block, dequantize)
+                else:
+                    yield key, tensor
             del assembled, tensor
     failure = None if error is None else StreamError(f"at {error[0]}: {type(error[1]).__name__}: {error[1]}")
     agree(failure, lambda failed: StreamError("streaming the weights failed " + describe(
@@ -75,11 +89,13 @@ def named_weights(model: nn.Module, *, to: int | str = "all") -> Iterator[tuple[
 
 
 def stream_weights(model: nn.Module, consume: Callable[[list[tuple[str, torch.Tensor]]], Any], *,
-                   to: int | str = "all", batch_bytes: int = 0) -> StreamReport:
+                   to: int | str = "all", batch_bytes: int = 0, dequantize: torch.dtype | None = None
+                   ) -> StreamReport:
     """Feed ``model``'s weights (:func:`named_weights`) to ``consume`` on each receiving rank, in batches of
     ``(name, tensor)`` pairs of at most ``batch_bytes`` (a tensor larger than that alone; 0: one tensor per call),
     e.g. an inference engine's ``load_weights``, or a function that sends each batch to an engine's ranks. Call it
-    on every rank of the model. Peak extra memory on a receiving rank: one batch."""
+    on every rank of the model. Peak extra memory on a receiving rank: one batch. ``dequantize``: as for
+    :func:`named_weights`."""
     start = time.perf_counter()
     report = StreamReport()
     batch: list[tuple[str, torch.Tensor]] = []
@@ -92,7 +108,7 @@ def stream_weights(model: nn.Module, consume: Callable[[list[tuple[str, torch.Te
             report.batches += 1
         batch, size = [], 0
 
-    for name, tensor in named_weights(model, to=to):
+    for name, tensor in named_weights(model, to=to, dequantize=dequantize):
         nbytes = tensor.numel() * tensor.element_size()
         if batch and size + nbytes > batch_bytes:
             flush()
@@ -105,6 +121,17 @@ def stream_weights(model: nn.Module, consume: Callable[[list[tuple[str, torch.Te
     flush()
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _dequantized(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """An FP8 ``weight`` (its last two dims a matrix) times its ``_scale_inv`` grid: one scale per ``block`` of the
+    matrix (the last blocks partial), or one for the whole tensor."""
+    factor = scale_values(scale, "U8" if scale.dtype == torch.uint8 else "")
+    if block is not None:
+        rows, cols = weight.shape[-2:]
+        factor = factor.repeat_interleave(block[0], -2)[..., :rows, :].repeat_interleave(block[1], -1)[..., :cols]
+    return fp8_to_float32(weight).mul_(factor).to(dtype)
 
 
 def _model_ranks(model: nn.Module) -> list[int]:
