@@ -93,7 +93,15 @@ def _dequantized_stream(path: str) -> dict:
         want = stored[key] if scale is None else fp8_dequantize(stored[key], scale, (16, 16))
         if tensor.dtype != want.dtype or not torch.equal(tensor, want):
             wrong.append(f"{key} dequantized")
-    return {"kept": sorted(kept), "plain": sorted(plain), "wrong": wrong,
+    try:  # the sliced form cuts plain weights only: refused by name before anything moves
+        next(hf_moe_tp.named_weights(model, tp_slice=(0, 2)))
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    sliced = dict(hf_moe_tp.named_weights(model, dequantize=torch.float32, tp_slice=(1, 2)))
+    wrong += [k for k, t in sliced.items() if t.numel() > plain[k].numel()]
+    return {"kept": sorted(kept), "plain": sorted(plain), "wrong": wrong, "refused": refused,
+            "split": sum(t.shape != plain[k].shape for k, t in sliced.items()),
             "fp8": sum(t.dtype == torch.float8_e4m3fn for t in kept.values())}
 
 
@@ -101,7 +109,8 @@ def test_fp8_weights_dequantized_on_request(ranks, tmp_path):
     """A model keeping an FP8 checkpoint's weights quantized (keep_quantized, TP 2; blocks of 16 that the shards
     cut) streams them as stored (FP8 codes and ``_scale_inv`` grids, byte-equal to the checkpoint's), or with
     ``dequantize=`` as plain weights: the checkpoint's keys less the scales, each equal to the hub's meaning of
-    the FP8 weight (codes times their block's scale, an independent reference) and the rest unchanged."""
+    the FP8 weight (codes times their block's scale, an independent reference) and the rest unchanged. The sliced
+    form takes the dequantized weights, and refuses the kept ones by name."""
     from families import configs
     from quantized_families import save_fp8
 
@@ -110,6 +119,61 @@ def test_fp8_weights_dequantized_on_request(ranks, tmp_path):
     for r in ranks(2).run(_dequantized_stream, str(path)):
         assert r["kept"] == sorted(stored) and r["fp8"] > 0 and r["wrong"] == [], r
         assert r["plain"] == sorted(k for k in stored if not k.endswith("_scale_inv")), r
+        assert r["refused"].startswith("tp_slice with FP8 weights kept quantized") and r["split"] > 0, r
+
+
+ROWS = ("q_proj", "k_proj", "v_proj", "w1", "w3", "embed_tokens", "lm_head")  # split by output rows (and biases)
+COLUMNS = ("o_proj", "w2")  # weights by input columns (biases whole); the rest whole
+
+
+def _expected_slice(key: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """The part engine rank ``rank`` of ``size`` loads, by the checkpoint's names (written independently of the
+    plan: column- and row-parallel layers' narrowing of the same keys, as vLLM's loaders narrow them)."""
+    module, leaf = key.split(".")[-2:]
+    if leaf in ("gate_up_proj", "gate_up_proj_bias"):  # GPT-OSS: (gate, up) pairs interleaved, by expert hidden
+        return tensor.chunk(size, -1)[rank]
+    if leaf == "down_proj":  # GPT-OSS: (experts, hidden, dim), by the expert hidden
+        return tensor.chunk(size, 1)[rank]
+    if leaf == "sinks" or module in ROWS:
+        return tensor.chunk(size, 0)[rank]
+    if module in COLUMNS and leaf == "weight":
+        return tensor.chunk(size, 1)[rank]
+    return tensor
+
+
+def _sliced(path: str, kwargs: dict, sizes: tuple[int, ...]) -> dict:
+    model = _changed(path, kwargs)
+    whole = dict(hf_moe_tp.named_weights(model))
+    wrong, split = [], 0
+    for size in sizes:
+        for rank in range(size):
+            for key, tensor in hf_moe_tp.named_weights(model, tp_slice=(rank, size)):
+                want = _expected_slice(key, whole[key], rank, size)
+                split += tensor.shape != whole[key].shape
+                if not torch.equal(tensor, want):
+                    wrong.append((size, rank, key, tuple(tensor.shape), tuple(want.shape)))
+    return {"wrong": wrong, "split": split}
+
+
+@pytest.mark.parametrize("family, kwargs, sizes", [("mixtral", {}, (2, 4)), ("mixtral", {"fsdp_size": 2}, (2, 4)),
+                                                   ("gpt_oss", {}, (2,))], ids=["tp2", "dp2_tp2", "tp2-gpt_oss"])
+def test_sliced_for_an_engine_at_another_tp_size(ranks, tmp_path, family, kwargs, sizes):
+    """``tp_slice=(rank, K)``: the part of each checkpoint tensor rank ``rank`` of an engine at TP size K loads
+    (the trainer's TP size 2): per-expert w1/w3, q/k/v, the embeddings and the output projection by rows, o_proj
+    and w2 by columns, GPT-OSS's packed experts and sinks by the expert hidden and the heads, the rest whole (a
+    Mixtral with 4 key/value heads, so that every split divides by 4 too)."""
+    from families import COMMON, save_model
+    from transformers import MixtralConfig
+
+    if family == "mixtral":
+        config = MixtralConfig(hidden_size=32, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                               **{**COMMON, "num_key_value_heads": 4})
+        path = save_model(config, tmp_path / "mixtral-kv4")
+    else:
+        path = save_family(family, tmp_path)
+    world = 4 if kwargs else 2
+    for r in ranks(world).run(_sliced, str(path), kwargs, sizes):
+        assert r["wrong"] == [] and r["split"] > 0, r
 
 
 def _send(group: dist.ProcessGroup, batch: list[tuple[str, torch.Tensor]] | None) -> None:

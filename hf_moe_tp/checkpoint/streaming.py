@@ -26,6 +26,7 @@ from torch import nn
 
 from .._compat import root_mesh
 from ..runtime.agreement import agree, describe, rank
+from .engine_slices import engine_placements, slice_of
 from .quantized import SCALE_SUFFIX, fp8_to_float32, quantization_of, scale_values
 from .saving import _assemble, _plan, _wire
 
@@ -44,8 +45,8 @@ class StreamReport:
     seconds: float = 0.0
 
 
-def named_weights(model: nn.Module, *, to: int | str = "all", dequantize: torch.dtype | None = None
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
+def named_weights(model: nn.Module, *, to: int | str = "all", dequantize: torch.dtype | None = None,
+                  tp_slice: tuple[int, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``model``'s weights as ``(checkpoint key, whole tensor on CPU)``, one at a time, in the order and
     format ``save_pretrained`` writes them (transformers' keys, per-expert tensors where the family's checkpoints
     have them, FP8 weights and scales where the model keeps them quantized), from any layout (TP, EP, FSDP2, HSDP).
@@ -57,6 +58,11 @@ def named_weights(model: nn.Module, *, to: int | str = "all", dequantize: torch.
     ``dequantize`` (a dtype): FP8 weights the model keeps quantized come dequantized to it (codes times their
     block's scale, in fp32, rounded once), without their ``_scale_inv`` tensors, for an engine that takes plain
     weights; the rest as stored.
+
+    ``tp_slice=(rank, size)``: each tensor's part that rank ``rank`` of an inference engine at tensor-parallel size
+    ``size`` holds (:mod:`hf_moe_tp.checkpoint.engine_slices`: the family's plan at that size; tensors it keeps
+    whole come whole), for an engine whose ranks load their own slices; on ranks colocated with the engine's, each
+    passes its engine rank. The slice is cut from the whole tensor after it arrives.
     """
     ranks = _model_ranks(model)
     me = rank()
@@ -65,6 +71,7 @@ def named_weights(model: nn.Module, *, to: int | str = "all", dequantize: torch.
     leader = 0 if 0 in ranks else ranks[0]  # where the save's gathers assemble each tensor
     receives = to == "all" or me == to
     entries, _ = _plan(model)
+    placements = _engine_placements(model, entries, tp_slice, dequantize)
     quantization = quantization_of(model.config) if dequantize is not None else None
     block = quantization.block if quantization is not None else None
     waiting: dict[str, torch.Tensor] = {}  # FP8 weights whose scales come next, when dequantizing
@@ -78,10 +85,12 @@ def named_weights(model: nn.Module, *, to: int | str = "all", dequantize: torch.
             if receives and error is None:
                 if dequantize is not None and key + SCALE_SUFFIX in entries:
                     waiting[key] = tensor
-                elif (weight := key.removesuffix(SCALE_SUFFIX)) in waiting:  # the scales of the weight before
-                    yield weight, _dequantized(waiting.pop(weight), tensor, block, dequantize)
-                else:
-                    yield key, tensor
+                    continue
+                if (weight := key.removesuffix(SCALE_SUFFIX)) in waiting:  # the scales of the weight before
+                    key, tensor = weight, _dequantized(waiting.pop(weight), tensor, block, dequantize)
+                if placements is not None:
+                    tensor = slice_of(entries[key], tensor, placements, *tp_slice)
+                yield key, tensor
             del assembled, tensor
     failure = None if error is None else StreamError(f"at {error[0]}: {type(error[1]).__name__}: {error[1]}")
     agree(failure, lambda failed: StreamError("streaming the weights failed " + describe(
@@ -89,13 +98,13 @@ def named_weights(model: nn.Module, *, to: int | str = "all", dequantize: torch.
 
 
 def stream_weights(model: nn.Module, consume: Callable[[list[tuple[str, torch.Tensor]]], Any], *,
-                   to: int | str = "all", batch_bytes: int = 0, dequantize: torch.dtype | None = None
-                   ) -> StreamReport:
+                   to: int | str = "all", batch_bytes: int = 0, dequantize: torch.dtype | None = None,
+                   tp_slice: tuple[int, int] | None = None) -> StreamReport:
     """Feed ``model``'s weights (:func:`named_weights`) to ``consume`` on each receiving rank, in batches of
     ``(name, tensor)`` pairs of at most ``batch_bytes`` (a tensor larger than that alone; 0: one tensor per call),
     e.g. an inference engine's ``load_weights``, or a function that sends each batch to an engine's ranks. Call it
-    on every rank of the model. Peak extra memory on a receiving rank: one batch. ``dequantize``: as for
-    :func:`named_weights`."""
+    on every rank of the model. Peak extra memory on a receiving rank: one batch. ``dequantize``, ``tp_slice``: as
+    for :func:`named_weights`."""
     start = time.perf_counter()
     report = StreamReport()
     batch: list[tuple[str, torch.Tensor]] = []
@@ -108,7 +117,7 @@ def stream_weights(model: nn.Module, consume: Callable[[list[tuple[str, torch.Te
             report.batches += 1
         batch, size = [], 0
 
-    for name, tensor in named_weights(model, to=to, dequantize=dequantize):
+    for name, tensor in named_weights(model, to=to, dequantize=dequantize, tp_slice=tp_slice):
         nbytes = tensor.numel() * tensor.element_size()
         if batch and size + nbytes > batch_bytes:
             flush()
@@ -121,6 +130,21 @@ def stream_weights(model: nn.Module, consume: Callable[[list[tuple[str, torch.Te
     flush()
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _engine_placements(model: nn.Module, entries: dict, tp_slice: tuple[int, int] | None,
+                       dequantize: torch.dtype | None) -> dict | None:
+    """The placements ``tp_slice`` cuts by (None without it), checked before any transfer starts."""
+    if tp_slice is None:
+        return None
+    rank, size = tp_slice
+    if not 0 <= rank < size:
+        raise ValueError(f"tp_slice={tp_slice!r}: (engine rank, engine TP size) with 0 <= rank < size")
+    kept = [key for key, entry in entries.items() if entry.one_per_block]
+    if kept and dequantize is None:
+        raise ValueError(f"tp_slice with FP8 weights kept quantized ({kept[0]} and {len(kept) - 1} more): pass "
+                         f"dequantize= for plain weights, which the sliced form can cut")
+    return engine_placements(model, size)
 
 
 def _dequantized(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
