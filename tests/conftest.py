@@ -4,7 +4,10 @@ this process, on torch's fake process group: ``fake_group.as_rank``."""
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from hf_moe_tp.integrations.install import installed, uninstall
 from hf_moe_tp.runtime.launch import RankPool
 
 # A test body that has not finished in this many seconds is taken as hung.
@@ -25,3 +28,29 @@ def ranks():
     for pool in pools.values():
         pool.close()
 
+
+
+@pytest.fixture(autouse=True)
+def _same_random_stream():
+    """The main process's generator as it was: a test reseeding it would change what later tests draw, and so
+    what passes by file order."""
+    state = torch.random.get_rng_state()
+    yield
+    torch.random.set_rng_state(state)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _nothing_left_on(request):
+    """A test file leaves no process group and no install() behind (either changes what later files run: inspect
+    refuses to start inside a process group; install() reroutes transformers' from_pretrained). Put right for the
+    next file, and reported as this file's error."""
+    yield
+    left = []
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        left.append("a process group")
+    if installed():
+        uninstall()
+        left.append("hf_moe_tp.install()")
+    if left:
+        pytest.fail(f"{request.module.__name__} left {' and '.join(left)} on", pytrace=False)

@@ -212,18 +212,21 @@ def test_shims_still_needed(mixtral, tmp_path):
     on_cpu = SimpleNamespace(multi_device=False, distributed_type=DistributedType.MULTI_CPU, num_processes=2,
                              is_fsdp2=False, is_main_process=True)
     hf_moe_tp.install()  # switches the shims on (import hf_moe_tp alone does not)
-    with pytest.raises(ValueError, match="MULTI_CPU"):
-        ParallelismConfig._validate_accelerator.hf_moe_tp_original(ParallelismConfig(tp_size=2), on_cpu)
-    ParallelismConfig._validate_accelerator(ParallelismConfig(tp_size=2), on_cpu)  # the shim lets it through
-
-    model = AutoModelForCausalLM.from_pretrained(mixtral)
-    model._is_distributed_loading_by_transformers = True  # as transformers marks a DistributedConfig model
-    args = arguments(str(tmp_path), save_strategy="steps")
     try:
-        with pytest.raises(ValueError, match="Resuming is not supported"):
-            Trainer(model=model, args=args)
+        with pytest.raises(ValueError, match="MULTI_CPU"):
+            ParallelismConfig._validate_accelerator.hf_moe_tp_original(ParallelismConfig(tp_size=2), on_cpu)
+        ParallelismConfig._validate_accelerator(ParallelismConfig(tp_size=2), on_cpu)  # the shim lets it through
+
+        model = AutoModelForCausalLM.from_pretrained(mixtral)
+        model._is_distributed_loading_by_transformers = True  # as transformers marks a DistributedConfig model
+        args = arguments(str(tmp_path), save_strategy="steps")
+        try:
+            with pytest.raises(ValueError, match="Resuming is not supported"):
+                Trainer(model=model, args=args)
+        finally:
+            fresh_accelerate()
     finally:
-        fresh_accelerate()
+        hf_moe_tp.uninstall()
     assert not args.save_only_model
 
 
@@ -231,17 +234,20 @@ def test_model_save_pretrained_arguments(mixtral, tmp_path):
     """model.save_pretrained is hf_moe_tp.save_pretrained (the hub's keys, which transformers' own method would
     not write for GroupedExperts); transformers' arguments it cannot honour are refused by name."""
     model = hf_moe_tp.from_pretrained(mixtral)
-    model.save_pretrained(tmp_path / "saved", is_main_process=True, max_shard_size="1MB")
-    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
-    ids = Rows(1).ids
-    with torch.no_grad():
-        assert (plain(ids).logits - model(ids).logits).abs().max() <= 2e-5
-    for bad in (dict(push_to_hub=True), dict(state_dict={}), dict(safe_serialization=False), dict(variant="x")):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            model.save_pretrained(tmp_path / "refused", **bad)
-    with pytest.raises(TypeError, match="colour"):
-        model.save_pretrained(tmp_path / "refused", colour="red")
-    assert dist.is_initialized()  # the world of one from_pretrained started
+    try:
+        assert dist.is_initialized()  # the world of one from_pretrained started
+        model.save_pretrained(tmp_path / "saved", is_main_process=True, max_shard_size="1MB")
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+        ids = Rows(1).ids
+        with torch.no_grad():
+            assert (plain(ids).logits - model(ids).logits).abs().max() <= 2e-5
+        for bad in (dict(push_to_hub=True), dict(state_dict={}), dict(safe_serialization=False), dict(variant="x")):
+            with pytest.raises(ValueError, match=next(iter(bad))):
+                model.save_pretrained(tmp_path / "refused", **bad)
+        with pytest.raises(TypeError, match="colour"):
+            model.save_pretrained(tmp_path / "refused", colour="red")
+    finally:
+        dist.destroy_process_group()  # (later tests here run their own worlds)
 
 
 @pytest.mark.slow
