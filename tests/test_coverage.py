@@ -94,11 +94,9 @@ def test_inkling_interleaved_gate_up(ranks, families, tmp_path, monkeypatch):
     (column-wise: each rank reads every other row of its half). At TP 2 with I = 21 the logits match transformers'
     one process and saving writes back the checkpoint transformers wrote, tensor for tensor; a box of 11 of the
     shared expert's 21 rows reads every other checkpoint row, as transformers' conversion places them."""
-    from safetensors.torch import load_file
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter
 
-    from hf_moe_tp.checkpoint.conversions import model_keys, parameter_sources
 
     build = mm.build_multimodal_config
 
@@ -112,17 +110,10 @@ def test_inkling_interleaved_gate_up(ranks, families, tmp_path, monkeypatch):
     out = tmp_path / "saved"
     diff, placements = ranks(2).run(_inkling_round_trip, str(path), str(out))[0]
     assert diff <= 2e-5 and placements == "(Shard(dim=0),)", (diff, placements)
-    original, saved = load_file(path / "model.safetensors"), load_file(out / "model.safetensors")
-    assert list(saved) == list(original)
-    assert [k for k in original if not torch.equal(saved[k], original[k])] == []
+    original = _saved_as_written(path, out)
 
     key = "model.llm.layers.1.mlp.shared_experts.shared_w13_weight"
-    config = dense_first(families["inkling"], 21)
-    with torch.device("meta"):
-        model = mm._model_class(config)._from_config(config)
-    to_ckpt = model_keys(model, list(original))
-    targets = dict(model.state_dict(keep_vars=True))
-    sources = parameter_sources(model, targets, {n: tuple(original[k].shape) for n, k in to_ckpt.items()})
+    model, to_ckpt, sources = _meta_sources(dense_first(families["inkling"], 21), original)
     conv = next(c for c in get_model_conversion_mapping(model) if isinstance(c, WeightConverter)
                 and "shared_w13_weight" in c.source_patterns[0])
     expected = {key: original[key]}
@@ -179,6 +170,30 @@ def test_full_matrix(tmp_path):
     assert all(TRANSFORMERS_SIDE.search(note or "") for note in unverified.values()), unverified
 
 
+def _saved_as_written(path: Path, out: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint transformers wrote at ``path``, checked equal, key for key and byte for byte, to what hf_moe_tp
+    saved at ``out``."""
+    from safetensors.torch import load_file
+
+    original, saved = load_file(path / "model.safetensors"), load_file(out / "model.safetensors")
+    assert list(saved) == list(original)
+    assert [k for k in original if not torch.equal(saved[k], original[k])] == []
+    return original
+
+
+def _meta_sources(config, original: dict[str, torch.Tensor]) -> tuple:
+    """The full class of ``config`` on the meta device, its model names -> checkpoint keys, and its parameters'
+    sources over the checkpoint ``original`` (the loader's map)."""
+    from hf_moe_tp.checkpoint.conversions import model_keys, parameter_sources
+
+    with torch.device("meta"):
+        model = mm._model_class(config)._from_config(config)
+    to_ckpt = model_keys(model, list(original))
+    targets = dict(model.state_dict(keep_vars=True))
+    return model, to_ckpt, parameter_sources(model, targets, {n: tuple(original[k].shape)
+                                                              for n, k in to_ckpt.items()})
+
+
 def _save_from_ranks(path: str, out: str) -> None:  # on the ranks
     import hf_moe_tp
 
@@ -191,25 +206,17 @@ def test_step3p7_rope_permuted_qkv(ranks, families, tmp_path):
     rotary pairs (transformers: ``Chunk`` then ``PermuteForRope``, per head): a box of rows cutting a head reads
     what transformers' conversion places there, and saving at TP 2 writes back the checkpoint transformers wrote,
     tensor for tensor."""
-    from safetensors.torch import load_file
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import PermuteForRope, WeightConverter
 
-    from hf_moe_tp.checkpoint.conversions import model_keys, parameter_sources
 
     path, _ = mm.save_multimodal(families["step3p7"], tmp_path, expert_hidden=24)
     out = tmp_path / "saved"
     ranks(2).run(_save_from_ranks, str(path), str(out))
-    original, saved = load_file(path / "model.safetensors"), load_file(out / "model.safetensors")
-    assert list(saved) == list(original)
-    assert [k for k in original if not torch.equal(saved[k], original[k])] == []
+    original = _saved_as_written(path, out)
 
     config = mm.build_multimodal_config(families["step3p7"], 24)
-    with torch.device("meta"):
-        model = mm._model_class(config)._from_config(config)
-    to_ckpt = model_keys(model, list(original))
-    targets = dict(model.state_dict(keep_vars=True))
-    sources = parameter_sources(model, targets, {n: tuple(original[k].shape) for n, k in to_ckpt.items()})
+    model, to_ckpt, sources = _meta_sources(config, original)
     conv = next(c for c in get_model_conversion_mapping(model) if isinstance(c, WeightConverter)
                 and "in_proj_weight" in c.source_patterns[0] and isinstance(c.operations[-1], PermuteForRope))
     key = next(k for k in original if k.endswith("layers.0.attn.in_proj_weight") or k.endswith(
