@@ -30,7 +30,6 @@ from torch.distributed.tensor import DTensor
 from .._compat import MODEL_FSDP_MANAGED, MODEL_FSDP_PLAN, MODEL_NO_SPLIT
 from .expert_parallel import ExpertParallel
 from .hf_plan import matches
-from .styles import IN_FSDP_UNIT
 
 logger = logging.getLogger(__name__)
 
@@ -98,15 +97,53 @@ def shard_data_parallel(
                     **kwargs)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None,
                 **kwargs)
-    for unit in model.modules():  # the root's whole-forward swap leaves their parameters to their own modules
-        if isinstance(unit, FSDPModule) and unit is not model:
-            for module in unit.modules():
-                setattr(module, IN_FSDP_UNIT, True)
     if not any(p.is_meta for p in ignored):
         divide_expert_gradients(model)
     setattr(model, MODEL_FSDP_MANAGED, True)  # transformers' generate then keeps the data-parallel ranks in step
     model.hf_moe_tp_dp_mesh = dp_mesh
     return model
+
+
+def keep_training_fresh(model: nn.Module) -> None:
+    """Let no FSDP2 unit of ``model`` stay gathered past a forward without gradients, nor into a forward with them,
+    once ``model`` is FSDP2's (our :func:`shard_data_parallel`, or the user's own ``fully_shard`` calls, which end
+    with the root). torch's FSDP2 (2.13, 2.14) leaves a unit that does not reshard after forward (the root, the
+    last layer, the final norm with the output projection) gathered after a forward without backward
+    (evaluation, ``generate``, an RL trainer's rollouts); meanwhile the model's parameters are that gathered copy:
+    an optimizer made then holds the copy and never updates the unit (transformers' own FSDP2 too: the output
+    projection 27% off at the second step), and a training forward started then hands the unit's gradients over
+    after FSDP2 reduced it (lost). So: resharded at the end of each forward without gradients (a decode step then
+    gathers those units again, as it gathers the others), and at the start of each forward with them (a forward
+    with gradients but no backward leaves them gathered too); a no-op on sharded units."""
+    model.register_forward_pre_hook(_arm)
+
+
+def _arm(model: nn.Module, args: tuple) -> None:
+    # FSDP2 hooks the root when it is sharded, its pre-forward hook first: ours must come before it, and our
+    # post-forward hook after it (registered from the first forward on, when no unit can be gathered yet)
+    if isinstance(model, FSDPModule) and not getattr(model, _ARMED, False):
+        model.register_forward_pre_hook(_reshard_before_training, prepend=True)
+        model.register_forward_hook(_reshard_after_inference)
+        setattr(model, _ARMED, True)
+
+
+def _reshard_before_training(model: nn.Module, args: tuple) -> None:
+    if torch.is_grad_enabled():
+        _reshard(model)
+
+
+def _reshard_after_inference(model: nn.Module, args: tuple, output: object) -> None:
+    if not torch.is_grad_enabled():
+        _reshard(model)
+
+
+def _reshard(model: nn.Module) -> None:
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()  # a no-op on a sharded unit
+
+
+_ARMED = "hf_moe_tp_fresh_training_armed"
 
 
 def _shard_experts(model: nn.Module, mesh: DeviceMesh, reshard: bool, kwargs: dict) -> None:

@@ -30,6 +30,7 @@ from ..runtime.shutdown import release_at_exit
 from .boxes import shard_dim
 from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
+from .fsdp import keep_training_fresh
 from .hf_plan import entries, heads_divide, matches
 from .linear import ColumnParallel, RowParallel
 from .load_balance import track_expert_load
@@ -369,11 +370,12 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
         style = leftovers.get(name) or every.get(name) or next((s for p, s in patterns if matches(name, p)), None)
         if style is not None:
             module.hf_moe_tp_style = style
+    keep_training_fresh(model)  # (its hook runs before the local swap's below)
     local = [(module, n) for name, module in model.named_modules()
              if isinstance(style := _style_for(name, resolved), LocalParams) and not style.sum_grads
              for n, p in module.named_parameters(recurse=False) if p is not None]
     if local:
-        swap_to_local(model, local, inside_units=False)
+        swap_to_local(model, local)
         # convolutions their parent calls functionally (``conv1d.weight`` in Mamba and gated-delta mixers): under
         # FSDP2 the layer's unshard puts DTensors back after the root's swap, so the parent swaps them too
         for name, module in model.named_modules():

@@ -276,34 +276,23 @@ def _own_rows(weight: DTensor) -> tuple[int, int]:
     return offset[0], offset[0] + shape[0]
 
 
-IN_FSDP_UNIT = "hf_moe_tp_in_fsdp_unit"  # set on the modules inside an FSDP2 unit other than the root's (fsdp.py)
-
-
-def swap_to_local(root: nn.Module, params: list[tuple[nn.Module, str]], *, inside_units: bool = True) -> None:
+def swap_to_local(root: nn.Module, params: list[tuple[nn.Module, str]]) -> None:
     """During ``root``'s forward, let every listed DTensor parameter appear as its local tensor.
 
     :class:`LocalParams` swaps a module's parameters during that module's own forward; some models read a
     submodule's weight from the parent's code (a Mamba mixer calling ``conv1d`` functionally with
     ``self.conv1d.weight``), so the parameters of local-compute modules are swapped for the whole forward too.
     Gradients reach the DTensor parameters through ``to_local``.
-
-    Without ``inside_units``, parameters inside an FSDP2 unit (``IN_FSDP_UNIT``) are left to their module's own
-    swap, made after the unit's pre-forward: swapped at ``root``'s start, a unit still gathered from an earlier
-    forward (one kept gathered after forward, after an eval or generate) would hand its parameter's gradient
-    over after FSDP2's post-backward has reduced the unit, and the gradient would be lost.
     """
-    keep = None if inside_units else (lambda owner: not getattr(owner, IN_FSDP_UNIT, False))
-    local_during_forward(root, [(owner._parameters, name) for owner, name in params], keep=keep)
+    local_during_forward(root, [(owner._parameters, name) for owner, name in params])
 
 
 def local_during_forward(module: nn.Module, slots: list[tuple[dict, str]],
-                         to_local: Callable[[DTensor], torch.Tensor] = DTensor.to_local,
-                         keep: Callable[[nn.Module], bool] | None = None) -> None:
+                         to_local: Callable[[DTensor], torch.Tensor] = DTensor.to_local) -> None:
     """During ``module``'s forward, each DTensor in ``slots`` (a module's ``_parameters`` or ``_buffers`` and a
     name) appears as ``to_local(tensor)``, a plain tensor, and is put back afterwards (also when the forward
     raises), unless something else took the slot meanwhile. Gradients reach the DTensors through ``to_local``.
-    Slots already plain (an enclosing swap did it) are left alone, and with ``keep``, slots of owners for which
-    ``keep(owner)`` is false at the call."""
+    Slots already plain (an enclosing swap did it) are left alone."""
     # The slots are kept as (submodule path, table, name) and looked up from the hooked module, so a deep copy of
     # the model (whose hooks are these same functions) swaps its own parameters, not the original's.
     where = {}
@@ -311,19 +300,18 @@ def local_during_forward(module: nn.Module, slots: list[tuple[dict, str]],
         where.setdefault(id(m._parameters), (path, "_parameters"))
         where.setdefault(id(m._buffers), (path, "_buffers"))
     refs = [(*where[id(table)], name) for table, name in slots]
-    resolved: dict[int, tuple[weakref.ref, list[tuple[nn.Module, dict, str]]]] = {}
+    resolved: dict[int, tuple[weakref.ref, list[tuple[dict, str]]]] = {}
     saved: list[list[tuple[dict, str, DTensor]]] = []
 
-    def tables(mod: nn.Module) -> list[tuple[nn.Module, dict, str]]:
+    def tables(mod: nn.Module) -> list[tuple[dict, str]]:
         hit = resolved.get(id(mod))
         if hit is None or hit[0]() is not mod:
-            owners = [(mod.get_submodule(p), attr, n) for p, attr, n in refs]
-            hit = (weakref.ref(mod), [(owner, getattr(owner, attr), n) for owner, attr, n in owners])
+            hit = (weakref.ref(mod), [(getattr(mod.get_submodule(p), attr), n) for p, attr, n in refs])
             resolved[id(mod)] = hit
         return hit[1]
 
     def use_local(mod: nn.Module, args: tuple) -> None:
-        saved.append(swap_in([(t, n) for owner, t, n in tables(mod) if keep is None or keep(owner)], to_local))
+        saved.append(swap_in(tables(mod), to_local))
 
     def restore(mod: nn.Module, args: tuple, out: Any) -> None:
         if saved:  # else an earlier pre-hook raised before use_local ran: nothing was swapped
