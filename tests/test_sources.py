@@ -116,3 +116,28 @@ def test_read_map_covers_every_target_once(tmp_path, family, packed):
     finally:
         ckpt.close()
 
+
+
+def test_rope_permuted_rows_read_each_head_in_two_strided_halves():
+    """transformers' ``PermuteForRope`` (q/k rows stored as interleaved rotary pairs, per head) as sources: a box of
+    rows cutting heads reads exactly what transformers' permutation puts there; a parameter the permutation cannot
+    be read for (filled from several tensors, heads of odd size) gets no source, so the load refuses it by name."""
+    from transformers.core_model_loading import PermuteForRope
+
+    from hf_moe_tp.checkpoint.conversions import _rope_rows
+
+    heads, head, cols = 3, 4, 5
+    ckpt = torch.arange(2 * heads * head * cols, dtype=torch.float32).view(2 * heads * head, cols)  # q rows, then k
+    config = type("Config", (), {"num_attention_heads": heads})()
+    k_rows = Source("k", (Axis(0, start=heads * head), Axis(1)), tuple(ckpt.shape))  # the second chunk
+    want = PermuteForRope()._permute_for_rope(ckpt[heads * head:], config)
+    sources = _rope_rows([k_rows], heads * head, heads)
+    for lo, hi in ((0, heads * head), (3, 9)):
+        local = torch.full((hi - lo, cols), float("nan"))
+        for source in sources:
+            request = source.request((heads * head, cols), ((lo, hi), (0, cols)))
+            if request is not None:
+                request.place(ckpt[request.read], local)
+        assert torch.equal(local, want[lo:hi]), (lo, hi)
+    assert _rope_rows([k_rows, k_rows], heads * head, heads) == []
+    assert _rope_rows([Source("k", (Axis(0), Axis(1)), (heads * 3, cols))], heads * 3, heads) == []

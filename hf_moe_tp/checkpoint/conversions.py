@@ -231,7 +231,7 @@ def _converted_sources(model: nn.Module, converters: list[WeightConverter], targ
                 for n, (first, step) in zip(names, axes, strict=True):
                     dims = tuple(Axis(i, start=first, step=step) if i == dim else Axis(i) for i in range(len(shape)))
                     out[n] = [Source(name, dims, shape)]
-        rope = conv.operations[-1] if _without_rope(conv.operations) is not conv.operations else None
+        rope = conv.operations[-1] if ops is not conv.operations else None
         if rope is not None:
             for pattern in conv.target_patterns:
                 n = target.replace(conv.target_patterns[0], pattern) if len(conv.target_patterns) > 1 else target
@@ -262,10 +262,11 @@ def _heads(model: nn.Module, rope: PermuteForRope) -> int:
 def _rope_rows(sources: list[Source], rows: int, heads: int) -> list[Source]:
     """``sources`` (one, along the parameter's rows) with transformers' ``PermuteForRope`` applied: each head's
     rows stored as interleaved (real, imaginary) pairs become its even rows, then its odd ones (rotate-half), so
-    the head's two halves read every other row of it. Left as they were (the parameter then missing, refused by
-    name) where the rows do not split into heads of even size."""
+    the head's two halves read every other row of it. None at all (the parameter then has no source, refused by
+    name) where that cannot be read so: rows that do not split into heads of even size, or a parameter filled from
+    several tensors."""
     if len(sources) != 1 or rows % heads or (rows // heads) % 2:
-        return [] if len(sources) == 1 else sources
+        return []
     (source,) = sources
     axis = source.dims[0]
     if not isinstance(axis, Axis) or axis.size is not None:

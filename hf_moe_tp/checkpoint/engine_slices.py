@@ -11,6 +11,7 @@ order: its q rows, then its k rows, then its v rows; its gate rows, then its up 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -72,7 +73,7 @@ def slice_of(entry: Any, tensor: torch.Tensor, placements: dict[str, Placement],
             for d, (read, step) in enumerate(zip(request.read, request.steps, strict=True)):
                 indices[d].update(range(*read.indices(entry.shape[d]))[::step])
     kept = [sorted(s) for s in indices]
-    if count != _product(len(k) for k in kept):
+    if count != math.prod(len(k) for k in kept):
         raise ValueError(f"{entry.key}: engine rank {rank} of {size} holds parts of it that are not one block of it "
                          f"(its parameters split along different dims); the sliced form cannot give it")
     for d, keep in enumerate(kept):
@@ -83,10 +84,3 @@ def slice_of(entry: Any, tensor: torch.Tensor, placements: dict[str, Placement],
         else:
             tensor = tensor.index_select(d, torch.tensor(keep, dtype=torch.long))
     return tensor.contiguous()
-
-
-def _product(sizes) -> int:
-    out = 1
-    for s in sizes:
-        out *= s
-    return out

@@ -370,7 +370,7 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
         style = leftovers.get(name) or every.get(name) or next((s for p, s in patterns if matches(name, p)), None)
         if style is not None:
             module.hf_moe_tp_style = style
-    keep_training_fresh(model)  # (its hook runs before the local swap's below)
+    keep_training_fresh(model)
     local = [(module, n) for name, module in model.named_modules()
              if isinstance(style := _style_for(name, resolved), LocalParams) and not style.sum_grads
              for n, p in module.named_parameters(recurse=False) if p is not None]
