@@ -35,7 +35,7 @@ def bench_rank(path: str, repeats: int) -> dict:
 
     checked = hf_moe_tp.from_pretrained(path, check_inputs="always")
     plain = hf_moe_tp.from_pretrained(path, check_inputs="never")
-    mesh = checked.hf_moe_tp_mesh
+    mesh = checked.hf_moe_tp.layout.tp
     g = torch.Generator().manual_seed(0)
     out: dict = {"world": dist.get_world_size()}
     for label, shape in (("1 x 1", (1, 1)), ("4 x 128", (4, 128))):

@@ -72,7 +72,6 @@ def run_ours(path: str, kind: str, full: bool = True, loss_parallel: bool = Fals
     either way where ``lm_head`` is split)."""
     import hf_moe_tp
     from hf_moe_tp import GroupedExperts
-    from model_patches import adapter_for
 
     torch.manual_seed(0)
     cls = model_class(kind)
@@ -85,8 +84,8 @@ def run_ours(path: str, kind: str, full: bool = True, loss_parallel: bool = Fals
     with torch.no_grad():
         ref_out = _output(ref, ids, kind)
         diff = (_full(_output(model, ids, kind)) - ref_out).abs().max().item()
-    out = {"diff": diff, "sharded": sharded, "grouped": len(experts), "adapter": adapter_for(model).name}
-    out["split_loss"] = bool(getattr(model, "hf_moe_tp_split_loss", False))
+    out = {"diff": diff, "sharded": sharded, "grouped": len(experts), "adapter": model.hf_moe_tp.family.name}
+    out["split_loss"] = bool(model.hf_moe_tp.split_loss)
     if not full:
         return out
     if kind == "causal_lm":

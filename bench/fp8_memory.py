@@ -28,6 +28,7 @@ from hf_moe_tp.checkpoint.fp8 import keep_fp8_weights, place_scales
 from hf_moe_tp.checkpoint.quantized import CheckpointView, Fp8Weight, Quantization
 from hf_moe_tp.checkpoint.saving import _transformers_keys
 from hf_moe_tp.parallel import plans
+from model_patches import meta_model
 
 BLOCK = (128, 128)
 UNQUANTIZED = re.compile(r"(norm\.weight|mlp\.gate\.weight)$")  # as on the hub: norms and routers stay bf16
@@ -68,7 +69,7 @@ def rank_bytes(model, tp: int) -> list[dict[str, int]]:
 
 
 def build(config, tp: int, ep: bool, keep: bool):
-    model = plans.meta_model(config, dtype=torch.bfloat16)
+    model = meta_model(config, dtype=torch.bfloat16)
     plan = plans.tp_plan(model, tp, ep_size=tp if ep else None)
     if keep:
         keep_fp8_weights(model, "hub DeepSeek-V3 FP8", plan, view=hub_fp8_view(model))

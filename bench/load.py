@@ -143,7 +143,8 @@ def measure(load) -> dict:
     sampled every 10 ms (the loaded model is kept until the sampling ends, so its memory counts)."""
     warm_imports()
     (model, local_bytes), wall, *peak = peak_growth(load)
-    report = getattr(model, "hf_moe_tp_load", None)  # ours: the checkpoint pass alone, without building the model
+    state = getattr(model, "hf_moe_tp", None)
+    report = state and state.load_report  # ours: the checkpoint pass alone, without building the model
     del model
     return {
         "wall_s": wall,
@@ -332,7 +333,7 @@ def load_layout(path: str, kwargs: dict) -> dict:
 
     def load():
         model = hf_moe_tp.from_pretrained(path, **kwargs)
-        report.update(read=model.hf_moe_tp_load.bytes_read, received=model.hf_moe_tp_load.bytes_received)
+        report.update(read=model.hf_moe_tp.load_report.bytes_read, received=model.hf_moe_tp.load_report.bytes_received)
         return model, sum(p.to_local().numel() * p.element_size() for p in model.parameters())
 
     return {**measure(load), **report}

@@ -11,7 +11,7 @@ and then timed in rotation:
 
 - ``hf_moe_tp``: ``hf_moe_tp.from_pretrained(path, fsdp_size=2)``: TP=2 inside each of 2 data-parallel
   replicas, FSDP2 on every decoder layer and the root; the data-parallel coordinate is that of
-  ``model.hf_moe_tp_dp_mesh``;
+  ``model.hf_moe_tp.layout.dp``;
 - with ``--loss-parallel``, ``hf_moe_tp loss_parallel``: the same with ``loss_parallel=True`` (the training
   logits returned split over the vocabulary, never gathered; both rows take the loss from the split logits,
   the first then gathers them for its outputs);
@@ -219,7 +219,7 @@ def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int, l
     def dp_coordinate(name: str, model) -> tuple[int, int]:
         if lora:  # plain TP: every rank the whole batch
             return 0, 1
-        mesh = model._mesh_manager.get_mesh("fsdp") if name in (NATIVE, NATIVE_EP) else model.hf_moe_tp_dp_mesh
+        mesh = model._mesh_manager.get_mesh("fsdp") if name in (NATIVE, NATIVE_EP) else model.hf_moe_tp.layout.dp
         assert mesh.ndim == 1
         return mesh.get_local_rank(), mesh.size()
 

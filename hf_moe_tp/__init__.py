@@ -4,8 +4,8 @@ The public names load on first use (PEP 562), so ``import hf_moe_tp`` and ``hf-m
 torch nor transformers; ``from hf_moe_tp import from_pretrained`` imports what that needs.
 
 Layout (each subpackage's ``__init__`` says what it owns and may import): ``runtime`` < ``parallel`` <
-``checkpoint`` < ``integrations`` < ``cli``, with :mod:`.pretrained` above ``integrations`` and :mod:`._compat`
-(other libraries' private symbols) beside them all.
+``checkpoint`` < ``model_patches`` (the families, a package beside this one) < ``integrations`` < ``cli``, with
+:mod:`.pretrained` above ``integrations`` and :mod:`._compat` (other libraries' private symbols) beside them all.
 """
 
 from __future__ import annotations

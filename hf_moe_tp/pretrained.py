@@ -21,6 +21,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 from transformers import GenerationConfig, PreTrainedModel
 
+from model_patches import meta_model
+
 from ._compat import MODEL_TP_PLAN
 from .checkpoint.fp8 import keep_fp8_weights, place_scales
 from .checkpoint.loading import LoadReport, load_checkpoint
@@ -38,6 +40,7 @@ from .parallel.hf_plan import matches
 from .parallel.input_check import check_inputs_on, check_mode
 from .parallel.load_balance import balance_experts
 from .parallel.meshes import Layout, declare, init_process_group, mesh_device, resolve_layout
+from .parallel.model_state import state_of
 from .parallel.randomness import generate_on_leader_state, same_draws_in_training
 from .parallel.resize import bind_resize
 from .runtime import agreement
@@ -255,7 +258,7 @@ def make_layout(parallel: ParallelConfig, device_mesh: DeviceMesh | None = None,
 def build_meta_model(args: Resolved, layout: Layout, model_class: type | None = None) -> PreTrainedModel:
     """The model of ``args.config`` on the meta device, experts swapped for GroupedExperts, its buffers on this
     rank's device (where the loader then allocates the parameters)."""
-    model = plans.meta_model(args.config, model_class, args.dtype, attn_implementation=args.attn_implementation)
+    model = meta_model(args.config, model_class, args.dtype, attn_implementation=args.attn_implementation)
     _buffers_to(model, mesh_device(layout.tp))
     return model
 
@@ -312,34 +315,34 @@ def place(model: nn.Module, plan: dict[str, ParallelStyle], layout: Layout, para
     apply_plan(model, layout.tp, plan, ep_mesh=layout.ep)
     if parallel.keep_quantized:
         place_scales(model)
-    model.hf_moe_tp_mesh, model.hf_moe_tp_ep_mesh = layout.tp, layout.ep
     same_draws_in_training(model, layout.tp)  # replicated random ops (router jitter, dropout) agree across TP
     if hasattr(model, "generate"):  # so do sampled tokens
         generate_on_leader_state(model, layout.tp)
-    model.hf_moe_tp_plan = plan
     setattr(model, MODEL_TP_PLAN, plans.described(model, plan))  # what transformers' readers of its plan see
     if layout.dp is not None:  # each rank then reads its FSDP shards
         shard_data_parallel(model, layout.dp, mp_policy=parallel.mp_policy, offload_policy=parallel.offload_policy,
                             expert_mesh=layout.expert_dp)
+    state_of(model).layout = layout
 
 
 def read(model: nn.Module, args: Resolved, layout: Layout, parallel: ParallelConfig, *, threads: int | None = None,
          record_reads: bool = False) -> LoadReport:
     """Read this rank's slices of the checkpoint at ``args.path`` into the placed ``model`` (with ``read_once``,
-    the first replica reads for the others) and its generation config; the report is ``model.hf_moe_tp_load``."""
+    the first replica reads for the others) and its generation config; the report is ``model.hf_moe_tp.load_report``."""
     replicas = None
     if has_replicas(layout):
         read_once = parallel.read_once
         if read_once is None:  # several nodes: replicas would read through a shared filesystem
             read_once = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) < dist.get_world_size()
         replicas = layout.dp.get_group(0) if read_once else None
-    model.hf_moe_tp_load = load_checkpoint(model, args.path, threads=threads, record_reads=record_reads,
-                                           strict=args.strict, replicas=replicas)
+    report = load_checkpoint(model, args.path, threads=threads, record_reads=record_reads, strict=args.strict,
+                             replicas=replicas)
+    state_of(model).load_report = report
     if args.generation_config is not None:
         model.generation_config = args.generation_config
     elif (args.path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(args.path)
-    return model.hf_moe_tp_load
+    return report
 
 
 def wrap(model: nn.Module, layout: Layout, parallel: ParallelConfig, timeout: float | None = None) -> None:
@@ -365,7 +368,7 @@ def _ep_size(model: nn.Module, layout: Layout) -> int:
     gives them ``ExpertParallel`` on the TP mesh, else 1."""
     if layout.ep is not None:
         return layout.ep["ep"].size()
-    styles = (getattr(model, "hf_moe_tp_plan", None) or {}).values()
+    styles = state_of(model).plan.values()
     return layout.tp.size() if any(isinstance(s, ExpertParallel) for s in styles) else 1
 
 
@@ -375,7 +378,7 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
     as a plain tensor. ``ExpertParallel`` entries go on ``ep_mesh`` when given (a 2-D ``(ep, tp)`` mesh whose
     ``tp`` dimension is ``mesh``), on ``mesh`` otherwise. Where the output projection is split over the
     vocabulary, forwards with labels take the loss from the split logits
-    (:func:`hf_moe_tp.parallel.loss.split_loss`; ``model.hf_moe_tp_split_loss`` says whether). Every
+    (:func:`hf_moe_tp.parallel.loss.split_loss`; ``model.hf_moe_tp.split_loss`` says whether). Every
     GroupedExperts counts its tokens (:func:`hf_moe_tp.expert_load`). Switches on the integrations with
     accelerate, PEFT and the Trainer (:mod:`hf_moe_tp.integrations.switch`), then applies the plan with
     :func:`hf_moe_tp.parallel.plans.apply_plan`."""

@@ -1,19 +1,22 @@
-"""The generic adapter: any transformers expert module described by its ``@use_experts_implementation`` flags.
+"""A model family's three jobs, each its own interface, and the generic implementation of each.
 
-transformers 5 stores a layer's experts as ``gate_up_proj`` (E, 2*I, H) and ``down_proj`` (E, H, I), or the
-transposed (E, H, 2*I) / (E, I, H) (``is_transposed``); gate and up halves concatenated or interleaved
-(``is_concatenated``); with biases (``has_bias``); or an ungated ``up_proj`` (``has_gate=False``). Hub
-checkpoints of several families instead keep one 2-D ``nn.Linear`` weight per expert
-(``experts.{e}.w1.weight``), which the family's checkpoint conversion in transformers names. The adapter
-swaps each expert module for a :class:`GroupedExperts` and says, for each of its parameters, which checkpoint
-tensors fill it (:class:`hf_moe_tp.checkpoint.sources.Source`). Family modules subclass it only where a family differs.
+- Its experts (:class:`ExpertSwap`, here): transformers 5 stores a layer's experts as ``gate_up_proj`` (E, 2*I, H) and
+  ``down_proj`` (E, H, I), or the transposed (E, H, 2*I) / (E, I, H) (``is_transposed``); gate and up halves
+  concatenated or interleaved (``is_concatenated``); with biases (``has_bias``); or an ungated ``up_proj``
+  (``has_gate=False``), all described by the ``@use_experts_implementation`` flags. The generic swap replaces each
+  such module with a :class:`GroupedExperts` whose parameters are named, shaped and ordered as the module's.
+- Its plan entries beyond transformers' plan (:class:`hf_moe_tp.parallel.plans.FamilyPlan`: none by default).
+- Its checkpoint sources beyond the generic ones (:class:`hf_moe_tp.checkpoint.expert_sources.SourceRules`).
+
+A :class:`Family` holds one of each; family modules subclass only the job where their family differs. The family
+that builds a model (:meth:`Family.meta_model`) is recorded on it (``model.hf_moe_tp.family``), where the plan and the
+loader, which import nothing from here, find it.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,21 +24,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
+from transformers import PretrainedConfig
 from transformers.activations import ACT2CLS
 
-from hf_moe_tp._compat import EXPERTS_APPLY_GATE, default_apply_gate
-from hf_moe_tp.checkpoint.sources import Axis, Source, identity
+from hf_moe_tp._compat import EXPERTS_APPLY_GATE, default_apply_gate, from_config
+from hf_moe_tp.checkpoint.expert_sources import SourceRules
 from hf_moe_tp.parallel.experts import ExpertActivation, ExpertLayout, GroupedExperts
+from hf_moe_tp.parallel.model_state import state_of
+from hf_moe_tp.parallel.plans import FamilyPlan
 
 
-class Adapter:
-    """Maps transformers' expert modules (and their checkpoint keys) onto GroupedExperts."""
+class ExpertSwap:
+    """Swaps transformers' expert modules of a model for GroupedExperts: the generic rules."""
 
-    name = "generic"
-    # Per-expert checkpoint names (gate, up, down) tried when the family's conversion mapping names none.
-    per_expert_names: tuple[tuple[str, str, str], ...] = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
-
-    # ---- module side -------------------------------------------------------------------------------------
     def is_experts(self, module: nn.Module) -> bool:
         """transformers' decorated expert modules carry ``has_gate``; their weights are ``down_proj`` + (gate_)up."""
         return hasattr(module, "has_gate") and hasattr(module, "down_proj") and not isinstance(module, GroupedExperts)
@@ -43,13 +44,13 @@ class Adapter:
     def layout(self, module: nn.Module) -> ExpertLayout:
         """The layout transformers' ``@use_experts_implementation`` flags describe. A class that overrides the
         decorated forward computes something the flags do not say: it is refused by name, since GroupedExperts
-        would silently compute the decorated forward alone (a family adapter that understands the override reads
+        would silently compute the decorated forward alone (a family swap that understands the override reads
         :meth:`flags_layout` instead: Ergo)."""
         own = _own_forward(type(module))
         if own is not None:
             raise NotImplementedError(f"{type(module).__name__} overrides the forward of transformers' decorated "
-                                      f"experts ({own.__qualname__}): the generic adapter maps only the decorated "
-                                      f"layout; this family needs an adapter in model_patches/")
+                                      f"experts ({own.__qualname__}): the generic swap maps only the decorated "
+                                      f"layout; this family needs its own ExpertSwap in model_patches/")
         return self.flags_layout(module)
 
     def flags_layout(self, module: nn.Module) -> ExpertLayout:
@@ -100,31 +101,56 @@ class Adapter:
                               **experts_layout(layout), post_expert_norm=norm, config=getattr(module, "config", None),
                               device=p.device, dtype=p.dtype)
 
-    def plan_entries(self, model: nn.Module, tp_size: int | None) -> dict:
-        """Styles this family needs beyond transformers' plan and its translation (module name -> ParallelStyle)."""
-        return {}
 
-    # ---- checkpoint side ---------------------------------------------------------------------------------
-    def extra_sources(self, model: nn.Module, targets: dict, shapes: dict[str, tuple[int, ...]]
-                      ) -> dict[str, list[Source]]:
-        """Sources of non-expert parameters that the family's conversion mapping builds with its own operations
-        (model name -> sources; ``shapes`` holds the checkpoint tensors under their renamed names)."""
-        return {}
 
-    def expert_sources(
-        self, prefix: str, layout: ExpertLayout, shapes: dict[str, tuple[int, ...]], per_expert: list[tuple[str, ...]],
-        interleaved: bool = False,
-    ) -> dict[str, list[Source]]:
-        """Sources of ``{prefix}.gate_up_proj`` etc. (the GroupedExperts of ``layout``) from whichever format
-        ``shapes`` (model-named keys) holds: transformers' packed tensors, or one tensor per expert and projection.
-        ``interleaved``: the checkpoint's packed gate/up rows interleave where the model's concatenate (Inkling2's
-        ``w13``)."""
-        if f"{prefix}.{layout.up_name}" in shapes:
-            return packed_sources(prefix, layout, shapes, interleaved)
-        for names in per_expert + list(self.per_expert_names):
-            if f"{prefix}.0.{names[-1]}.weight" in shapes:
-                return per_expert_sources(prefix, layout, names, shapes)
-        return {}
+@dataclass(frozen=True)
+class Family:
+    """One model family: how its experts are swapped in, its plan entries, its checkpoint sources."""
+
+    name: str = "generic"
+    experts: ExpertSwap = field(default_factory=ExpertSwap)
+    plan: FamilyPlan = field(default_factory=FamilyPlan)
+    sources: SourceRules = field(default_factory=SourceRules)
+
+    def meta_model(self, config: PretrainedConfig, model_class: type | None = None, dtype: torch.dtype | None = None,
+                   attn_implementation: str | None = None) -> nn.Module:
+        """The model ``config`` describes (``model_class``, else the class the checkpoint declares, else a causal
+        LM), on the meta device (buffers real), its experts swapped for GroupedExperts and this family recorded on
+        it."""
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
+        cls = model_class or declared_class(config) or AutoModelForCausalLM
+        with init_empty_weights(include_buffers=False):
+            kwargs = {"dtype": dtype} if dtype is not None else {}
+            if attn_implementation is not None:  # validated by transformers as for its own from_pretrained
+                kwargs["attn_implementation"] = attn_implementation
+            model = from_config(cls, config, **kwargs)
+        model.tie_weights()  # transformers ties after loading; the plan needs the ties now
+        self.experts.swap_experts(model)
+        state_of(model).family = self
+        return model
+
+
+def declared_class(config: PretrainedConfig) -> type | None:
+    """The model class the checkpoint declares (``config.architectures``), where transformers registers it for
+    this config in one of its Auto mappings (a vision-language checkpoint's ``...ForConditionalGeneration``,
+    say); ``None`` when it declares none that maps."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    registered = {name for attr in dir(modeling_auto) if attr.startswith("MODEL_") and attr.endswith("_MAPPING_NAMES")
+                  for name in _names(getattr(modeling_auto, attr).get(config.model_type))}
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        config_class = getattr(cls, "config_class", None)
+        if name in registered and isinstance(config_class, type) and isinstance(config, config_class):
+            return cls
+    return None
+
+
+def _names(entry) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
 def _own_forward(cls: type) -> Callable | None:
@@ -143,80 +169,14 @@ def experts_layout(layout: ExpertLayout) -> dict[str, Any]:
 
 def _same_parameters(new: GroupedExperts, module: nn.Module, name: str) -> None:
     """Register ``new``'s parameters in ``module``'s order (transformers' named_parameters order); any difference of
-    names or shapes is a layout this adapter misread, refused by name."""
+    names or shapes is a layout this swap misread, refused by name."""
     theirs = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False)}
     ours = {n: tuple(p.shape) for n, p in new.named_parameters(recurse=False)}
     if theirs != ours:
         raise NotImplementedError(f"{name} ({type(module).__name__}): its parameters {theirs} are not the ones "
-                                  f"GroupedExperts holds for its layout {ours}; this family needs an adapter in "
-                                  "model_patches/")
+                                  f"GroupedExperts holds for its layout {ours}; this family needs its own "
+                                  "ExpertSwap in model_patches/")
     new._parameters = {n: new._parameters[n] for n in theirs}
-
-
-def packed_sources(prefix: str, layout: ExpertLayout, shapes: dict[str, tuple[int, ...]], interleaved: bool = False
-                   ) -> dict[str, list[Source]]:
-    """transformers' own 3-D layout: the checkpoint's ``gate_up_proj``/``up_proj`` and ``down_proj`` (+ ``_bias``) are
-    the parameters themselves; a checkpoint whose gate/up rows interleave (``interleaved``) where the model's
-    concatenate fills each half with one strided read."""
-    out = {name: [identity(name, shapes[name])] for name in [f"{prefix}.{n}" for n in layout.shapes()]
-           if name in shapes}
-    if not interleaved:
-        return out
-    if not (layout.concatenated and layout.gated):
-        raise NotImplementedError(f"{prefix}: a checkpoint interleaving gate/up rows into experts that do not "
-                                  "concatenate them")
-    i = layout.hidden
-    for name in [f"{prefix}.{n}" for n in (layout.up_name, f"{layout.up_name}_bias") if f"{prefix}.{n}" in shapes]:
-        # interleaved in the checkpoint, concatenated in the model
-        shape = tuple(shapes[name])
-        dim = 1 if name.endswith("_bias") or not layout.transposed else 2
-        out[name] = [Source(name, tuple(Axis(d, start=which, step=2, at=which * i, size=i) if d == dim else Axis(d)
-                                        for d in range(len(shape))), shape) for which in (0, 1)]
-    return out
-
-
-def per_expert_sources(
-    prefix: str, layout: ExpertLayout, names: tuple[str, ...], shapes: dict[str, tuple[int, ...]]
-) -> dict[str, list[Source]]:
-    """Hub layout: one ``nn.Linear`` per expert and projection, ``{prefix}.{e}.{name}.weight`` of (out, in), each
-    filling its expert's rows (gate, then up) of the packed parameters."""
-    h, i = layout.dim, layout.hidden
-    if layout.gated and not layout.concatenated:
-        raise NotImplementedError(f"{prefix}: per-expert checkpoint keys into interleaved gate/up experts")
-    up = layout.up_name
-    # (model parameter, rows it fills from, checkpoint name, (out, in) of the checkpoint tensor)
-    parts = [(up, 0, names[0], (i, h))]
-    if layout.gated:
-        parts.append((up, i, names[1], (i, h)))
-    parts.append(("down_proj", 0, names[-1], (h, i)))
-    out: dict[str, list[Source]] = {}
-    for param, at, name, (rows, cols) in parts:
-        packed = param == up and layout.gated  # gate and up each fill half the rows
-        for e in range(layout.num_experts):
-            out_axis = Axis(0, at=at, size=rows) if packed else Axis(0)
-            dims = (e, Axis(1), out_axis) if layout.transposed else (e, out_axis, Axis(1))
-            out.setdefault(f"{prefix}.{param}", []).append(Source(f"{prefix}.{e}.{name}.weight", dims, (rows, cols)))
-            if layout.bias:
-                out.setdefault(f"{prefix}.{param}_bias", []).append(
-                    Source(f"{prefix}.{e}.{name}.bias", (e, out_axis), (rows,)))
-    return out
-
-
-def per_expert_names_from_conversions(conversions: list) -> list[tuple[str, ...]]:
-    """(gate, up, down) names of per-expert keys that transformers' conversion mapping merges into experts, one
-    tuple per expert kind it names (Dots3's text experts and its vision tower's ``fc1``/``fc3``/``fc2``)."""
-    found: dict[str, list[tuple[str, ...]]] = {}
-    for conversion in conversions:
-        targets = getattr(conversion, "target_patterns", [])
-        for target in targets:
-            for packed in ("gate_up_proj", "down_proj", "up_proj"):
-                if target.endswith(f"experts.{packed}"):
-                    names = tuple(m.group(1) for p in conversion.source_patterns
-                                  if (m := re.search(r"experts\.\*\.(\w+)\.weight$", p)))
-                    if names and names not in found.setdefault(packed, []):
-                        found[packed].append(names)
-    gate_ups = found.get("gate_up_proj") or found.get("up_proj") or []
-    return [(*gate_up, *down) for gate_up, down in zip(gate_ups, found.get("down_proj", []), strict=False)]
 
 
 @dataclass(frozen=True)
@@ -251,7 +211,7 @@ class FamilyGate(ExpertActivation):
         if not elementwise:
             own = getattr(type(module), EXPERTS_APPLY_GATE).__qualname__
             raise NotImplementedError(f"{type(module).__name__} has its own gating ({own}) that cannot run on hidden "
-                                      f"shards ({why}); it needs an adapter in model_patches/")
+                                      f"shards ({why}); it needs its own ExpertSwap in model_patches/")
         return gate
 
     def __call__(self, h1: torch.Tensor, h3: torch.Tensor | None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Beam: the generic adapter; its experts' own ``_apply_gate`` is the default gated activation computed in fp32
+"""Beam: the generic rules; its experts' own ``_apply_gate`` is the default gated activation computed in fp32
 (``act(gate.float()) * up.float()``, cast back), which GroupedExperts' activation equals in fp32 (in bf16 it
 rounds once more)."""
 
@@ -8,11 +8,12 @@ from torch import nn
 
 from hf_moe_tp.parallel.experts import ExpertActivation
 
-from .base import Adapter, activation_name
+from .base import ExpertSwap, Family, activation_name
 
 
-class BeamAdapter(Adapter):
-    name = "beam"
-
+class BeamExperts(ExpertSwap):
     def activation(self, module: nn.Module) -> ExpertActivation:
         return ExpertActivation(activation_name(module.act_fn), gated=module.has_gate)
+
+
+FAMILY = Family("beam", experts=BeamExperts())

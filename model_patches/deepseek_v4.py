@@ -1,4 +1,4 @@
-"""DeepSeek V4: the generic adapter with its clamped gated activation,
+"""DeepSeek V4: the generic rules with its clamped gated activation,
 ``act(clamp(gate, max=limit)) * clamp(up, -limit, limit)`` (elementwise, so it runs on hidden shards)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from torch import nn
 
 from hf_moe_tp.parallel.experts import ExpertActivation
 
-from .base import Adapter, activation_name
+from .base import ExpertSwap, Family, activation_name
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,9 @@ class ClampedGatedActivation(ExpertActivation):
         return self._fn(h1.clamp(max=self.clamp_limit)) * h3.clamp(min=-self.clamp_limit, max=self.clamp_limit)
 
 
-class DeepseekV4Adapter(Adapter):
-    name = "deepseek_v4"
-
+class DeepseekV4Experts(ExpertSwap):
     def activation(self, module: nn.Module) -> ExpertActivation:
         return ClampedGatedActivation(activation_name(module.act_fn), clamp_limit=float(module.limit))
+
+
+FAMILY = Family("deepseek_v4", experts=DeepseekV4Experts())

@@ -9,12 +9,10 @@ from torch import nn
 
 from hf_moe_tp.parallel.experts import GroupedExperts
 
-from .base import Adapter, ExpertLayout, experts_layout
+from .base import ExpertLayout, ExpertSwap, Family, experts_layout
 
 
-class ErgoAdapter(Adapter):
-    name = "ergo"
-
+class ErgoExperts(ExpertSwap):
     def layout(self, module: nn.Module) -> ExpertLayout:
         if type(module).__name__ != "ErgoExperts":
             return super().layout(module)
@@ -25,3 +23,6 @@ class ErgoAdapter(Adapter):
         return GroupedExperts(layout.num_experts, layout.dim, layout.hidden, activation=self.activation(module),
                               **experts_layout(layout), post_expert_norm=module.post_expert_norm,
                               norm_per_expert=True, config=module.config, device=p.device, dtype=p.dtype)
+
+
+FAMILY = Family("ergo", experts=ErgoExperts())

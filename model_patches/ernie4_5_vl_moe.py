@@ -6,16 +6,16 @@ then as many vision experts) with the two routers' weights stored transposed (``
 
 from __future__ import annotations
 
+from hf_moe_tp.checkpoint.expert_sources import SourceRules, per_expert_sources
 from hf_moe_tp.checkpoint.sources import Axis, Source
+from hf_moe_tp.parallel.experts import ExpertLayout
 
-from .base import Adapter, ExpertLayout, per_expert_sources
+from .base import Family
 
 GROUPS = ("text_moe", "vision_moe")  # in checkpoint order
 
 
-class Ernie45VLMoeAdapter(Adapter):
-    name = "ernie4_5_vl_moe"
-
+class Ernie45VLMoeSources(SourceRules):
     def expert_sources(self, prefix: str, layout: ExpertLayout, shapes: dict[str, tuple[int, ...]],
                        per_expert: list[tuple[str, ...]], interleaved: bool = False) -> dict[str, list[Source]]:
         mlp, _, group = prefix.removesuffix(".experts").rpartition(".")
@@ -40,3 +40,6 @@ class Ernie45VLMoeAdapter(Adapter):
                 if key in shapes:  # stored (hidden, experts): the router's weight transposed
                     out[name] = [Source(key, (Axis(1), Axis(0)), tuple(shapes[key]))]
         return out
+
+
+FAMILY = Family("ernie4_5_vl_moe", sources=Ernie45VLMoeSources())

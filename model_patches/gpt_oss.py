@@ -1,4 +1,4 @@
-"""GPT-OSS: the generic adapter for its experts (interleaved, transposed, biased, clamped SwiGLU), plus the
+"""GPT-OSS: the generic rules for its experts (interleaved, transposed, biased, clamped SwiGLU), plus the
 attention plan transformers 5.23 leaves out (its ``tp_plan`` splits only ``lm_head``); the per-head attention
 sinks then split alongside the heads (``hf_moe_tp.parallel.plans.sink_entries``)."""
 
@@ -8,14 +8,13 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hf_moe_tp.parallel.hf_plan import heads_divide
+from hf_moe_tp.parallel.plans import FamilyPlan
 
-from .base import Adapter
+from .base import Family
 
 
-class GptOssAdapter(Adapter):
-    name = "gpt_oss"
-
-    def plan_entries(self, model: nn.Module, tp_size: int | None) -> dict:
+class GptOssPlan(FamilyPlan):
+    def entries(self, model: nn.Module, tp_size: int | None) -> dict:
         if not heads_divide(model.config, tp_size):
             return {}
         plan = {}
@@ -24,3 +23,6 @@ class GptOssAdapter(Adapter):
                 plan.update({f"{name}.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")})
                 plan[f"{name}.o_proj"] = RowwiseParallel()
         return plan
+
+
+FAMILY = Family("gpt_oss", plan=GptOssPlan())

@@ -11,7 +11,7 @@ from transformers.models.llama4.modeling_llama4 import Llama4TextExperts, Llama4
 
 from hf_moe_tp.parallel.experts import ExpertActivation, GroupedExperts
 
-from .base import Adapter, ExpertLayout, activation_name
+from .base import ExpertLayout, ExpertSwap, Family, activation_name
 
 
 class Llama4GroupedMoe(Llama4TextMoe):
@@ -26,9 +26,7 @@ class Llama4GroupedMoe(Llama4TextMoe):
         return self.shared_expert(hidden_states) + routed, router_logits
 
 
-class Llama4Adapter(Adapter):
-    name = "llama4"
-
+class Llama4Experts(ExpertSwap):
     def is_experts(self, module: nn.Module) -> bool:
         return isinstance(module, Llama4TextExperts)
 
@@ -47,3 +45,6 @@ class Llama4Adapter(Adapter):
             if type(module) is Llama4TextMoe:
                 module.__class__ = Llama4GroupedMoe
         return super().swap_experts(model)
+
+
+FAMILY = Family("llama4", experts=Llama4Experts())

@@ -5,16 +5,15 @@ first half and its odd rows its second half: every half is one strided read of t
 
 from __future__ import annotations
 
+from hf_moe_tp.checkpoint.expert_sources import SourceRules
 from hf_moe_tp.checkpoint.sources import Axis, Source
 
-from .base import Adapter
+from .base import Family
 
 PROJECTIONS = {"q_proj": "wq", "k_proj": "wk"}
 
 
-class MistralLarge4Adapter(Adapter):
-    name = "mistral_large4"
-
+class MistralLarge4Sources(SourceRules):
     def extra_sources(self, model, targets: dict, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[Source]]:
         heads = model.config.vision_config.num_attention_heads
         out = {}
@@ -32,3 +31,6 @@ class MistralLarge4Adapter(Adapter):
                                       *rest), shape)
                          for h in range(heads) for j in (0, 1)]
         return out
+
+
+FAMILY = Family("mistral_large4", sources=MistralLarge4Sources())

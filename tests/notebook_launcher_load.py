@@ -18,7 +18,7 @@ def fn(path: str) -> None:
         ours = model(ids).logits
         ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()(ids).logits
     diff = (ours - ref).abs().max().item()
-    print(f"rank {dist.get_rank()} of {dist.get_world_size()}, tp {model.hf_moe_tp_mesh.size()}: "
+    print(f"rank {dist.get_rank()} of {dist.get_world_size()}, tp {model.hf_moe_tp.layout.tp.size()}: "
           f"{'MATCH' if diff <= 1e-5 else 'MISMATCH'} {diff:.1e}", flush=True)
 
 

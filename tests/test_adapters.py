@@ -1,5 +1,5 @@
-"""The generic adapter, in one process (no ranks): an expert module whose computation its layout flags do not
-describe is refused by name, never swapped for GroupedExperts that would compute something else."""
+"""The families, in one process (no ranks): the generic swap refuses by name an expert module whose computation its
+layout flags do not describe, never swapping in GroupedExperts that would compute something else."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from families import configs
 from transformers import AutoModelForCausalLM
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-from model_patches import Adapter
+from model_patches import ExpertSwap, meta_model
 
 
 class ScaledExperts(MixtralExperts):
@@ -25,14 +25,14 @@ def test_experts_with_their_own_forward_are_refused_by_name():
         model = AutoModelForCausalLM.from_config(config)
         model.model.layers[1].mlp.experts = ScaledExperts(config)
     with pytest.raises(NotImplementedError, match=r"ScaledExperts overrides the forward .*model_patches"):
-        Adapter().swap_experts(model)
+        ExpertSwap().swap_experts(model)
 
 
 def test_decorated_experts_are_swapped():
     config = configs()["mixtral"]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    assert len(Adapter().swap_experts(model)) == config.num_hidden_layers
+    assert len(ExpertSwap().swap_experts(model)) == config.num_hidden_layers
 
 
 def test_parameters_are_transformers_for_every_family():
@@ -42,7 +42,6 @@ def test_parameters_are_transformers_for_every_family():
     from accelerate import init_empty_weights
 
     from bench.coverage_models import build_config, discover, model_class
-    from hf_moe_tp.parallel.plans import meta_model
 
     different, families = {}, discover()
     for family in families:

@@ -19,6 +19,7 @@ import hf_moe_tp
 from hf_moe_tp import ExpertActivation, ExpertParallel, GroupedExperts
 from hf_moe_tp.checkpoint import Checkpoint
 from hf_moe_tp.parallel.boxes import local_pieces
+from model_patches import meta_model
 
 TOKENS, DIM, HIDDEN, TOP_K = 30, 16, 12, 2
 FP32_TOL = 1e-5
@@ -198,7 +199,7 @@ def _model_matches_transformers(path: str, ep_size: int):
     gradients are already whole."""
     model = hf_moe_tp.from_pretrained(path, ep_size=ep_size, record_reads=True)
     ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
-    ep_mesh = model.hf_moe_tp_ep_mesh
+    ep_mesh = model.hf_moe_tp.layout.ep
     batches = ep_mesh["ep"].size() if ep_mesh is not None else 1
     batch = ep_mesh.get_local_rank("ep") if ep_mesh is not None else 0
     ids_all = torch.randint(0, model.config.vocab_size, (2 * batches, 12), generator=torch.Generator().manual_seed(1))
@@ -215,7 +216,7 @@ def _model_matches_transformers(path: str, ep_size: int):
     owned = {_own_experts(m) for m in experts}  # every MoE layer of these families has the same experts
     own = owned.pop() if len(owned) == 1 else None
     # expert reads: per-expert keys only of this rank's experts, packed ones sliced to them on the expert dim
-    expert_reads = [(k, s) for k, s in model.hf_moe_tp_load.reads if re.search(r"(?<!shared_)experts\.", k)]
+    expert_reads = [(k, s) for k, s in model.hf_moe_tp.load_report.reads if re.search(r"(?<!shared_)experts\.", k)]
     foreign = []
     for key, slices in expert_reads:
         per_expert = re.search(r"experts\.(\d+)\.", key)
@@ -306,7 +307,7 @@ def _through_transformers(path: str):
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         diff = (model(ids).logits - ref(ids).logits).abs().max().item()
-    styles = {type(s).__name__ for s in model.hf_moe_tp_plan.values()}
+    styles = {type(s).__name__ for s in model.hf_moe_tp.plan.values()}
     return diff, styles
 
 
@@ -355,7 +356,7 @@ def _plan_form(path: str):
     """tp_plan with the experts named "hf_moe_tp_expert_parallel": EP over the TP ranks, as with ep_size."""
     config = AutoConfig.from_pretrained(path)
     plan = {name: ("hf_moe_tp_expert_parallel" if isinstance(style, hf_moe_tp.TensorParallel) else style)
-            for name, style in hf_moe_tp.tp_plan(config, dist.get_world_size()).items()}
+            for name, style in hf_moe_tp.tp_plan(meta_model(config), dist.get_world_size()).items()}
     model = hf_moe_tp.from_pretrained(path, tp_plan=plan)
     ref = AutoModelForCausalLM.from_pretrained(path).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))

@@ -54,7 +54,7 @@ def _load_as(rank: int, world: int, path: str, expected: dict, kwargs: dict) -> 
         if not expected:
             expected.update(reference_tensors(model, path))
         wrong, held = compare_shards(model, expected)
-        report = model.hf_moe_tp_load
+        report = model.hf_moe_tp.load_report
         return {"rank": rank, "wrong": wrong, "held": held, "read": report.bytes_read}
 
 
@@ -88,5 +88,5 @@ def test_read_once_second_replica_reads_nothing(checkpoints):
     reads = []
     for rank in range(8):
         with as_rank(rank, 8):
-            reads.append(hf_moe_tp.from_pretrained(path, **kwargs).hf_moe_tp_load.bytes_read)
+            reads.append(hf_moe_tp.from_pretrained(path, **kwargs).hf_moe_tp.load_report.bytes_read)
     assert all(r > 0 for r in reads[:4]) and reads[4:] == [0] * 4, reads

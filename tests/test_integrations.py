@@ -15,6 +15,7 @@ from transformers.distributed import DistributedConfig
 
 import hf_moe_tp
 from hf_moe_tp import GroupedExperts
+from model_patches import meta_model
 
 FP32_TOL = 2e-5
 
@@ -36,7 +37,7 @@ def _via_transformers(path: str):
     try:
         auto = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
         config = AutoConfig.from_pretrained(path)
-        plan = hf_moe_tp.tp_plan(config)
+        plan = hf_moe_tp.tp_plan(meta_model(config))
         dist_config = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_plan=plan))
         # with a config object transformers' Auto classes pass their own keywords (_from_auto, ...) down: taken
         with_config = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", config=config)
@@ -61,7 +62,7 @@ def _via_transformers(path: str):
         "restored": restored,
         "experts": experts,
         "placements": placements,
-        "read_reports": [hasattr(m, "hf_moe_tp_load") for m in (auto, dist_config)],
+        "read_reports": [m.hf_moe_tp.load_report is not None for m in (auto, dist_config)],
         "auto_vs_ours": (logits["auto"] - logits["ours"]).abs().max().item(),
         "dist_config_vs_ours": (logits["dist_config"] - logits["ours"]).abs().max().item(),
         "with_config_vs_ours": (logits["with_config"] - logits["ours"]).abs().max().item(),

@@ -108,7 +108,7 @@ def _compare(path: str, kwargs: dict) -> dict:
     with torch.no_grad():
         logits, ref_logits, their_logits = model(IDS).logits, ref(IDS).logits, theirs(IDS).logits
     gate = "model.layers.1.mlp.experts.0.gate_proj.weight"
-    reads = sorted((k, tuple((x.start, x.stop) for x in box)) for k, box in model.hf_moe_tp_load.reads
+    reads = sorted((k, tuple((x.start, x.stop) for x in box)) for k, box in model.hf_moe_tp.load_report.reads
                    if k.startswith(gate))
     tokens = model.generate(IDS[:1], max_new_tokens=8, do_sample=False)
     ref_tokens = ref.generate(IDS[:1], max_new_tokens=8, do_sample=False)

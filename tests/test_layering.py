@@ -18,13 +18,16 @@ import hf_moe_tp
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hf_moe_tp"
 
-# subpackage -> the layers above it, which none of its modules may import (not even inside a function)
+# layer -> the layers above it, which none of its modules may import (not even inside a function); model_patches
+# (the families) is a package beside hf_moe_tp, between checkpoint and integrations
 ABOVE = {
-    "runtime": ("parallel", "checkpoint", "integrations", "pretrained", "cli"),
-    "parallel": ("checkpoint", "integrations", "pretrained", "cli"),
-    "checkpoint": ("integrations", "pretrained", "cli"),
+    "runtime": ("parallel", "checkpoint", "model_patches", "integrations", "pretrained", "cli"),
+    "parallel": ("checkpoint", "model_patches", "integrations", "pretrained", "cli"),
+    "checkpoint": ("model_patches", "integrations", "pretrained", "cli"),
+    "model_patches": ("integrations", "pretrained", "cli"),
     "integrations": ("cli",),  # (install routes transformers' loader to hf_moe_tp.pretrained: allowed upwards)
 }
+FAMILIES = "model_patches"
 
 
 def test_public_names_resolve():
@@ -66,19 +69,21 @@ def _imported(source: str, module: str, is_package: bool = False) -> set[str]:
               "import_module" and node.args and isinstance(node.args[0], ast.Constant)):
             name = node.args[0].value
             found.add(importlib.util.resolve_name(name, package) if name.startswith(".") else name)
-    return {name for name in found if name == "hf_moe_tp" or name.startswith("hf_moe_tp.")}
+    return {name for name in found if name.split(".")[0] in ("hf_moe_tp", FAMILIES)}
 
 
 def _violations(imported: set[str], layer: str) -> list[str]:
     """``import hf_moe_tp`` counts too: the public names behind it are above every core layer."""
     return sorted({name for name in imported for above in ABOVE[layer] if name == "hf_moe_tp"
+                   or name.split(".")[0] == FAMILIES == above
                    or name == f"hf_moe_tp.{above}" or name.startswith(f"hf_moe_tp.{above}.")})
 
 
 @pytest.mark.parametrize("layer", sorted(ABOVE))
 def test_layers_import_nothing_from_above(layer):
-    """runtime < parallel < checkpoint < integrations < cli (hf_moe_tp.pretrained above integrations)."""
-    paths = sorted((PACKAGE / layer).rglob("*.py"))
+    """runtime < parallel < checkpoint < model_patches < integrations < cli (hf_moe_tp.pretrained above
+    integrations)."""
+    paths = sorted((ROOT / FAMILIES if layer == FAMILIES else PACKAGE / layer).rglob("*.py"))
     assert paths
     found = {}
     for path in paths:
@@ -94,8 +99,12 @@ def test_layers_import_nothing_from_above(layer):
 def test_the_layering_check_sees_imports_inside_functions():
     source = ("from ..runtime.launch import run_on_ranks\n"
               "def f():\n    from ..integrations.switch import enable\n    from .. import cli\n"
-              "    importlib.import_module('hf_moe_tp.pretrained')\n    import hf_moe_tp\n")
+              "    importlib.import_module('hf_moe_tp.pretrained')\n    import hf_moe_tp\n"
+              "    from model_patches import meta_model\n")
     imported = _imported(source, "hf_moe_tp.parallel.plans")
     assert _violations(imported, "parallel") == ["hf_moe_tp", "hf_moe_tp.cli", "hf_moe_tp.integrations.switch",
-                                                 "hf_moe_tp.integrations.switch.enable", "hf_moe_tp.pretrained"]
+                                                 "hf_moe_tp.integrations.switch.enable", "hf_moe_tp.pretrained",
+                                                 "model_patches", "model_patches.meta_model"]
     assert _violations(imported, "integrations") == ["hf_moe_tp", "hf_moe_tp.cli"]
+    assert _violations(imported, "model_patches") == ["hf_moe_tp", "hf_moe_tp.cli", "hf_moe_tp.integrations.switch",
+                                                      "hf_moe_tp.integrations.switch.enable", "hf_moe_tp.pretrained"]

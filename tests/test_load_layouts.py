@@ -52,7 +52,7 @@ def checkpoints(tmp_path_factory):
 def _load(path: str, reference: str, kwargs: dict) -> dict:
     model = hf_moe_tp.from_pretrained(path, **kwargs)
     wrong, held = compare_shards(model, reference_tensors(model, reference))
-    report = model.hf_moe_tp_load
+    report = model.hf_moe_tp.load_report
     meshes = model._mesh_manager  # transformers' view of the layout, as its own models sharded at load time carry it
     declared = {name: dist.get_process_group_ranks(meshes.get_mesh(name).get_group()) for name in DECLARED}
     config = model.config.distributed_config
@@ -177,7 +177,7 @@ def _fp8_share(model, path: str) -> int:
 def _load_fp8(path: str, reference: str, kwargs: dict) -> dict:
     model = hf_moe_tp.from_pretrained(path, **kwargs)
     wrong, _ = compare_shards(model, reference_tensors(model, reference))
-    return {"wrong": wrong, "read": model.hf_moe_tp_load.bytes_read, "share": _fp8_share(model, path)}
+    return {"wrong": wrong, "read": model.hf_moe_tp.load_report.bytes_read, "share": _fp8_share(model, path)}
 
 
 @pytest.mark.parametrize("layout", ["dp2_tp2", "dp4", "tp4"])
@@ -199,7 +199,7 @@ INSPECT = {"dp2_tp2": dict(tp=2, fsdp=2), "dp4": dict(tp=1, fsdp=4), "dp2_ep2": 
 def _held_and_read(path: str, kwargs: dict) -> tuple[int, int]:
     model = hf_moe_tp.from_pretrained(path, **kwargs)
     held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    return held, model.hf_moe_tp_load.bytes_read
+    return held, model.hf_moe_tp.load_report.bytes_read
 
 
 @pytest.mark.parametrize("layout", sorted(INSPECT))

@@ -74,7 +74,7 @@ def _compare_with_transformers(path: str):
     # of them together exactly the bytes of this rank's local expert shards (no whole expert read, none twice;
     # interleaved gate/up, gpt_oss's, are whole pairs per rank, read as one box).
     world = dist.get_world_size()
-    report = model.hf_moe_tp_load
+    report = model.hf_moe_tp.load_report
     ckpt = Checkpoint(path)
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     share = max(-(-m.hidden // world) / m.hidden for m in experts)

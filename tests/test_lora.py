@@ -124,7 +124,7 @@ def _lora_training(path: str, layout: dict, lora: dict, steps: int = STEPS, out:
     if layout.get("declare_transformers_tp"):  # what transformers' Trainer reads, and PEFT's own TP path too
         from transformers.distributed import DistributedConfig
 
-        base._device_mesh, base._tp_size = base.hf_moe_tp_mesh, dist.get_world_size()
+        base._device_mesh, base._tp_size = base.hf_moe_tp.layout.tp, dist.get_world_size()
         base.config.distributed_config = DistributedConfig(tp_size=dist.get_world_size())
     model = get_peft_model(base, LoraConfig(r=4, **lora))
     report = placement_report(model)

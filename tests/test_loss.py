@@ -143,7 +143,7 @@ def _ep_tp_loss(path: str):
     """On a 2 x 2 (ep, tp) mesh each ep coordinate runs its own batch; the loss comes from logits split over tp."""
     model = hf_moe_tp.from_pretrained(path, ep_size=2, loss_parallel=True)
     ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
-    ep = model.hf_moe_tp_ep_mesh["ep"].get_local_rank()
+    ep = model.hf_moe_tp.layout.ep["ep"].get_local_rank()
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(10 + ep))
     model.train()
     out = model(ids, labels=ids)

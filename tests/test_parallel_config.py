@@ -252,11 +252,11 @@ def test_each_step_alone(world, mixtral):
     assert overridden.keys() == plan.keys() - {"lm_head"}
 
     pretrained.place(model, plan, layout, parallel, args.path)
-    assert model.hf_moe_tp_plan is plan and model.hf_moe_tp_mesh is layout.tp
+    assert model.hf_moe_tp.plan == plan and model.hf_moe_tp.layout is layout
     assert all(isinstance(p, DTensor) and p.is_meta for p in model.parameters())
 
     report = pretrained.read(model, args, layout, parallel)
-    assert report is model.hf_moe_tp_load and not any(p.is_meta for p in model.parameters())
+    assert report is model.hf_moe_tp.load_report and not any(p.is_meta for p in model.parameters())
 
     pretrained.wrap(model, layout, parallel)
     reference = AutoModelForCausalLM.from_pretrained(mixtral, experts_implementation="eager").eval()

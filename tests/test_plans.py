@@ -10,10 +10,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hf_moe_tp.parallel import plans
 from hf_moe_tp.parallel.linear import ColumnParallel
+from model_patches import meta_model
 
 
 def test_unknown_transformers_style_is_refused_by_name():
-    model = plans.meta_model(configs()["qwen3_moe"])
+    model = meta_model(configs()["qwen3_moe"])
     model._tp_plan = {**model._tp_plan, "model.layers.*.self_attn.k_proj": "mystery_colwise"}
     with pytest.raises(NotImplementedError, match=r"qwen3_moe: .*mystery_colwise.*tp_plan=None"):
         plans.tp_plan(model, 2)
@@ -22,7 +23,7 @@ def test_unknown_transformers_style_is_refused_by_name():
 def test_unit_colwise_splits_key_and_value_with_the_query():
     """transformers 5.25's ``unit_colwise`` (MiniCPM5-MoE's key/value projections) splits by heads where they
     divide: skipping it had split the queries alone (logits off by 4.7 at TP 2, silently)."""
-    model = plans.meta_model(configs()["qwen3_moe"])  # 4 heads, 2 key/value heads
+    model = meta_model(configs()["qwen3_moe"])  # 4 heads, 2 key/value heads
     model._tp_plan = {k: ("unit_colwise" if k.endswith(("k_proj", "v_proj")) else v) for k, v in model._tp_plan.items()}
     plan = plans.tp_plan(model, 2)
     for proj in ("q_proj", "k_proj", "v_proj"):
@@ -50,19 +51,19 @@ def test_loss_parallel_plan_is_what_from_pretrained_applies(fake_ranks):
 
     mesh = init_device_mesh("cpu", (2,))
     for loss_parallel in (False, True):
-        model = plans.meta_model(configs()["qwen3_moe"])
+        model = meta_model(configs()["qwen3_moe"])
         plan = plans.tp_plan(model, 2, loss_parallel=loss_parallel)
         head = plan["lm_head"]
         assert type(head) is ColumnParallel and head.keep_split_in_training == loss_parallel
         plans.apply_plan(model, mesh, plan)
-        assert model.hf_moe_tp_split_loss  # the loss from split logits either way; loss_parallel keeps them split
+        assert model.hf_moe_tp.split_loss  # the loss from split logits either way; loss_parallel keeps them split
 
 
 def test_loss_parallel_without_a_split_head_is_refused(fake_ranks):
     config = configs()["qwen3_moe"]
     config.tie_word_embeddings = True  # a tied head stays replicated
     with pytest.raises(ValueError, match=r"loss_parallel=True needs the output projection \(lm_head\) split"):
-        plans.tp_plan(plans.meta_model(config), 2, loss_parallel=True)
+        plans.tp_plan(meta_model(config), 2, loss_parallel=True)
 
 
 def test_ep_size_beside_a_dict_plan(fake_ranks):
@@ -73,7 +74,7 @@ def test_ep_size_beside_a_dict_plan(fake_ranks):
 
     from hf_moe_tp import ExpertParallel, ParallelConfig, TensorParallel, pretrained
 
-    model = plans.meta_model(configs()["mixtral"])
+    model = meta_model(configs()["mixtral"])
     config = ParallelConfig.from_distributed_config(DistributedConfig(tp_size=2, ep_size=2, tp_plan={}))
     layout = pretrained.make_layout(config)
     plan = pretrained.make_plan(model, config, layout)
@@ -95,7 +96,7 @@ def test_dict_plan_overrides_the_models_plan(fake_ranks):
     object on a layer whose heads do not divide, refused by name."""
     from hf_moe_tp import ExpertParallel, ParallelConfig, TensorParallel, pretrained
 
-    model = plans.meta_model(configs()["mixtral"])
+    model = meta_model(configs()["mixtral"])
     layout = pretrained.make_layout(ParallelConfig())
     auto = pretrained.make_plan(model, ParallelConfig(), layout)
     unit = {"model.layers.*.self_attn.q_proj": "unit_colwise", "model.layers.*.self_attn.o_proj": "unit_rowwise",
@@ -109,7 +110,7 @@ def test_dict_plan_overrides_the_models_plan(fake_ranks):
     config = configs()["mixtral"]
     config.num_attention_heads = config.num_key_value_heads = 1
     config.head_dim = 8
-    one_head = plans.meta_model(config)
+    one_head = meta_model(config)
     plan = pretrained.make_plan(one_head, ParallelConfig(tp_plan=unit), layout)
     assert not any("self_attn" in n for n in plan)  # replicated: heads do not divide by 2
     with pytest.raises(ValueError, match=r"tp_plan entry 'model\.layers\.\*\.self_attn\.q_proj'.*do not divide"):
@@ -128,7 +129,7 @@ def test_described_plan_is_transformers(fake_ranks):
     from hf_moe_tp import ParallelConfig, pretrained
 
     for family, gate_up in (("mixtral", "packed_colwise"), ("gpt_oss", "colwise")):
-        model = plans.meta_model(configs()[family])
+        model = meta_model(configs()[family])
         layout = pretrained.make_layout(ParallelConfig())
         plan = pretrained.make_plan(model, ParallelConfig(), layout)
         described = plans.described(model, plan)
@@ -153,7 +154,7 @@ def test_experts_the_split_would_cut_stay_whole(fake_ranks, caplog):
 
     config = configs()["gpt_oss"]
     config.intermediate_size = 21
-    model = plans.meta_model(config)
+    model = meta_model(config)
     with caplog.at_level(logging.WARNING, logger="hf_moe_tp.parallel.plans"):
         plan = plans.tp_plan(model, 2)
     assert not any(name.endswith("mlp.experts") for name in plan), sorted(plan)
@@ -162,7 +163,7 @@ def test_experts_the_split_would_cut_stay_whole(fake_ranks, caplog):
     with pytest.raises(ValueError, match=r"TensorParallel cannot split these experts: its 42 interleaved gate/up"):
         parallelize_module(model.model.layers[0].mlp.experts, mesh, TensorParallel())
     config.intermediate_size = 22
-    assert isinstance(plans.tp_plan(plans.meta_model(config), 2)["model.layers.0.mlp.experts"], TensorParallel)
+    assert isinstance(plans.tp_plan(meta_model(config), 2)["model.layers.0.mlp.experts"], TensorParallel)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -178,7 +179,7 @@ def test_fsdp_units_are_transformers(tied):
     with as_rank(0, 4):
         config = configs()["qwen3_moe"]
         config.tie_word_embeddings = tied
-        model = plans.meta_model(config)
+        model = meta_model(config)
         resolved = _resolve_tied_embed_lm_head_plan(model.fsdp_plan, model)
         want = {""} | {n for n, _ in model.named_modules() if any(plans.matches(n, p) for p in resolved)}
         want -= {"model.embed_tokens"} if tied else set()

@@ -89,7 +89,7 @@ def _compare(path: str, reference: str, ep_size: int | None = None) -> dict:
         logits, ref_logits = model(ids).logits, ref(ids).logits
     tokens = model.generate(ids[:1], max_new_tokens=8, do_sample=False)
     ref_tokens = ref.generate(ids[:1], max_new_tokens=8, do_sample=False)
-    report = model.hf_moe_tp_load
+    report = model.hf_moe_tp.load_report
     return {
         "logits": (logits - ref_logits).abs().max().item(),
         "tokens_equal": torch.equal(tokens, ref_tokens),
@@ -484,7 +484,7 @@ def test_save_dequantized_writes_plain_checkpoint(ranks, quantized, tmp_path, ki
 
 
 def _bytes_read(path: str) -> int:
-    return hf_moe_tp.from_pretrained(path).hf_moe_tp_load.bytes_read
+    return hf_moe_tp.from_pretrained(path).hf_moe_tp.load_report.bytes_read
 
 
 @pytest.mark.parametrize("kind,world", [("fp8-partial", 2), ("mxfp4", 4)])

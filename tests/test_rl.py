@@ -16,6 +16,7 @@ from trainers import fresh_accelerate, word_tokenizer
 from transformers import AutoModelForCausalLM
 
 import hf_moe_tp
+from hf_moe_tp.parallel.model_state import placed
 
 TOL = 1e-5
 PROMPTS = [" ".join(f"t{(7 * i + j) % 120 + 2}" for j in range(3 + i % 3)) for i in range(4)]
@@ -46,7 +47,7 @@ def grpo(model, out: str, paged: bool, beta: float = 0.0, balancing: bool = True
     return {"loss": [h["loss"] for h in logged], "reward": [h["reward"] for h in logged], "completions": completions,
             "kl": [h.get("kl") for h in logged], "grad_norm": [h["grad_norm"] for h in logged],
             "entropy": [h["entropy"] for h in logged],
-            "reference_split": reference is not None and getattr(reference, "hf_moe_tp_mesh", None) is not None
+            "reference_split": reference is not None and placed(reference) is not None
             and all(isinstance(p, DTensor) for p in reference.parameters())}
 
 

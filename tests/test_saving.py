@@ -308,7 +308,8 @@ def _distributed_read(out: str, layout: dict, transformers_fields: dict | None) 
     local = [t.to_local() if isinstance(t, torch.distributed.tensor.DTensor) else t
              for t in load_targets(model).values()]
     held = sum(t.numel() * t.element_size() for t in local)
-    result = {"state": _whole_state(model), "logits": ours, "read": model.hf_moe_tp_load.bytes_read, "held": held}
+    read = model.hf_moe_tp.load_report.bytes_read
+    result = {"state": _whole_state(model), "logits": ours, "read": read, "held": held}
     if transformers_fields is not None:
         from transformers.distributed import DistributedConfig
 

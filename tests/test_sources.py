@@ -17,7 +17,7 @@ from hf_moe_tp.checkpoint.conversions import read_map
 from hf_moe_tp.checkpoint.files import Checkpoint
 from hf_moe_tp.checkpoint.loading import load_targets
 from hf_moe_tp.checkpoint.sources import Axis, Source
-from hf_moe_tp.parallel import plans
+from model_patches import meta_model
 
 CKPT = torch.arange(4 * 6 * 10, dtype=torch.float32).view(4, 6, 10)  # (E, 2I, H) like a packed gate_up_proj
 
@@ -101,7 +101,7 @@ def test_read_map_covers_every_target_once(tmp_path, family, packed):
     path = save_family(family, tmp_path, packed=packed)
     ckpt = Checkpoint(path)
     try:
-        model = plans.meta_model(AutoConfig.from_pretrained(path))
+        model = meta_model(AutoConfig.from_pretrained(path))
         targets = load_targets(model)
         found = read_map(model, ckpt, targets)
         assert found.unused == []

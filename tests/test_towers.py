@@ -12,6 +12,7 @@ from transformers import Llama4Config, Llama4ForConditionalGeneration
 from bench.weights import draw
 from hf_moe_tp.parallel import plans
 from hf_moe_tp.parallel.towers import towers
+from model_patches import meta_model
 
 TEXT = dict(hidden_size=32, intermediate_size=24, intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1,
             head_dim=8, vocab_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -64,14 +65,14 @@ def test_vision_plan_splits_the_tower(ranks, llama4_vl):
 def test_tower_heads_are_the_towers_own():
     """Whether the tower's attention splits is decided by the tower's heads: 3 vision heads at TP=2 stay whole
     while the text model's 4 heads split; the tower's adapter (a plain MLP) still splits."""
-    model = plans.meta_model(_config(hidden_size=48, num_attention_heads=3, intermediate_size=192),
+    model = meta_model(_config(hidden_size=48, num_attention_heads=3, intermediate_size=192),
                              Llama4ForConditionalGeneration)
     plan = plans.tp_plan(model, 2)
     assert isinstance(plan["language_model.model.layers.0.self_attn.q_proj"], ColwiseParallel)
     assert not any(name.startswith("vision_model.model.") for name in plan)
     assert isinstance(plan["vision_model.vision_adapter.mlp.fc2"], RowwiseParallel)
     assert list(towers(model)) == ["vision_model", "multi_modal_projector"]
-    assert towers(plans.meta_model(Llama4Config(text_config=TEXT).get_text_config())) == {}
+    assert towers(meta_model(Llama4Config(text_config=TEXT).get_text_config())) == {}
 
 
 def test_inspect_shows_the_tower(llama4_vl, capsys):

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, Trainer
 
 import hf_moe_tp
 from hf_moe_tp.integrations import trainer as glue
+from hf_moe_tp.parallel.model_state import placed
 
 TOL = 1e-4
 
@@ -37,7 +38,7 @@ def fit(model, out: str, batch: int = PER_DEVICE, **overrides) -> dict:
     predicted = trainer.predict(Rows(8, seed=1))
     return {"loss": [h["loss"] for h in logged], "grad_norm": [h["grad_norm"] for h in logged],
             "eval_loss": trainer.evaluate()["eval_loss"], "predictions": predicted.predictions, "seen": seen,
-            "split_loss": getattr(model, "hf_moe_tp_split_loss", False)}
+            "split_loss": placed(model) is not None and placed(model).split_loss}
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +215,7 @@ def test_shims_still_needed(mixtral, tmp_path):
     hf_moe_tp.install()  # switches the shims on (import hf_moe_tp alone does not)
     try:
         with pytest.raises(ValueError, match="MULTI_CPU"):
-            ParallelismConfig._validate_accelerator.hf_moe_tp_original(ParallelismConfig(tp_size=2), on_cpu)
+            ParallelismConfig._validate_accelerator._hf_moe_tp_original(ParallelismConfig(tp_size=2), on_cpu)
         ParallelismConfig._validate_accelerator(ParallelismConfig(tp_size=2), on_cpu)  # the shim lets it through
 
         model = AutoModelForCausalLM.from_pretrained(mixtral)
@@ -339,7 +340,7 @@ from hf_moe_tp.cli.demo import demo_checkpoint
 model = hf_moe_tp.from_pretrained(demo_checkpoint())
 loaded = "transformers.trainer" in sys.modules
 from transformers import Trainer
-print(loaded, hasattr(Trainer.__init__, "hf_moe_tp_original"), hasattr(Trainer.evaluation_loop, "hf_moe_tp_original"))
+print(loaded, hasattr(Trainer.__init__, "_hf_moe_tp_original"), hasattr(Trainer.evaluation_loop, "_hf_moe_tp_original"))
 '''
 
 

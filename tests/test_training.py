@@ -276,7 +276,7 @@ def _distributed_config(path: str, fields: dict) -> dict:
     data = batches(model.config.vocab_size)
     loss, norm = run_steps(model, opt, data)
     ref_loss, ref_norm = reference_steps(path, data)
-    dp = getattr(model, "hf_moe_tp_dp_mesh", None)
+    dp = model.hf_moe_tp.layout.dp
     return {"loss": loss, "ref_loss": ref_loss, "norm": norm, "ref_norm": ref_norm, **mesh_facts(model),
             "dp_size": dp.size() if dp else 1,
             "param_dtype": str(model.model.layers[0].mlp.gate.weight.dtype)}
@@ -321,7 +321,7 @@ def _mixed_precision(path: str) -> dict:
     state = model.model.layers[0]._get_fsdp_state()._fsdp_param_group
     return {"loss": max(abs(a - b) for a, b in zip(loss, ref_loss, strict=True)),
             "param_dtype": str(state.mp_policy.param_dtype), "offload": type(state.offload_policy).__name__,
-            "dp": model.hf_moe_tp_dp_mesh.size(), "activations": seen,
+            "dp": model.hf_moe_tp.layout.dp.size(), "activations": seen,
             "stored": str(next(model.parameters()).dtype)}
 
 
@@ -478,7 +478,7 @@ def _users_own_fully_shard(path: str, infer_first: bool = False) -> dict:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=not (infer_first and layer is model.model.layers[-1]))
     fully_shard(model, mesh=mesh["dp"])
-    model.hf_moe_tp_dp_mesh = mesh["dp"]  # for data_parallel_rank below
+    model.hf_moe_tp.layout.dp = mesh["dp"]  # for data_parallel_rank below
     data = batches(model.config.vocab_size)
     if infer_first:
         with torch.no_grad():

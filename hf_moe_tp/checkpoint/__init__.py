@@ -3,9 +3,11 @@
 format (:mod:`.saving`) and streaming the same tensors out (:mod:`.streaming`), quantized checkpoints read
 dequantized (:mod:`.quantized`) or kept in FP8 (:mod:`.fp8`).
 
-Layering (runtime < parallel < checkpoint < integrations < cli; ``hf_moe_tp.pretrained`` above integrations): it may
-import :mod:`hf_moe_tp.runtime`, :mod:`hf_moe_tp.parallel`, :mod:`hf_moe_tp._compat` and ``model_patches``, never
-``integrations``, ``cli`` or ``pretrained``, not even inside a function (tests/test_layering.py checks).
+Layering (runtime < parallel < checkpoint < model_patches < integrations < cli; ``hf_moe_tp.pretrained`` above
+integrations): it may import :mod:`hf_moe_tp.runtime`, :mod:`hf_moe_tp.parallel` and :mod:`hf_moe_tp._compat`, never
+``model_patches``, ``integrations``, ``cli`` or ``pretrained``, not even inside a function (tests/test_layering.py
+checks): a family's checkpoint rules reach the loader through the model (``model.hf_moe_tp.family``,
+:class:`.expert_sources.SourceRules`).
 
 ``hf_moe_tp.checkpoint`` was one module before the subpackages; what it defined (:class:`Checkpoint`,
 :class:`CheckpointError`, ...) is read from :mod:`.files` on first use, so ``from hf_moe_tp.checkpoint import

@@ -6,8 +6,9 @@ storage (quantized tensors, FP8 weights kept with their scales). Its parts:
 
 - Names: transformers' renamings for the family (``get_model_conversion_mapping``) turn checkpoint keys into
   the model's names (:func:`model_keys`).
-- Experts: the family's adapter (``model_patches``) maps per-expert or packed checkpoint tensors onto
-  GroupedExperts' ``gate_up_proj``/``down_proj`` (:class:`hf_moe_tp.checkpoint.sources.Source` per tensor).
+- Experts: the family's rules (:class:`.expert_sources.SourceRules`, found at ``model.hf_moe_tp.family``) map
+  per-expert or packed checkpoint tensors onto GroupedExperts' ``gate_up_proj``/``down_proj``
+  (:class:`hf_moe_tp.checkpoint.sources.Source` per tensor).
 - Fused and split tensors: transformers' ``Concatenate``/``Split``/``Chunk`` converters become sources that
   fill part of a parameter (a ``Chunk`` after an ``Interleave``: every other row), ``Interleave`` on packed
   experts a layout flag; a ``PermuteForRope`` after them (or alone) reads each head's rows in two strided halves.
@@ -35,11 +36,10 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
-from model_patches import adapter_for
-from model_patches.base import per_expert_names_from_conversions
-
 from .._compat import MODEL_IGNORE_ON_LOAD
 from ..parallel.experts import GroupedExperts
+from ..parallel.model_state import state_of
+from .expert_sources import SourceRules, per_expert_names_from_conversions
 from .files import Checkpoint
 from .quantized import CheckpointView, checkpoint_view, kept_scales
 from .sources import Axis, Source, identity
@@ -103,7 +103,8 @@ def parameter_sources(model: nn.Module, targets: dict[str, torch.Tensor], shapes
                       ) -> dict[str, list[Source]]:
     """The checkpoint sources of every parameter in ``targets`` (model name -> its tensor), from ``shapes``
     (the checkpoint's tensors under their model names, :func:`model_keys`)."""
-    adapter = adapter_for(model)
+    family = state_of(model).family
+    rules = family.sources if family is not None else SourceRules()
     conversions = get_model_conversion_mapping(model)  # one deep copy of the family's mapping, shared below
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     per_expert = per_expert_names_from_conversions(conversions)
@@ -117,11 +118,11 @@ def parameter_sources(model: nn.Module, targets: dict[str, torch.Tensor], shapes
                     name, interleave = aliases[packed]
                     view[packed], renamed[packed] = shapes[name], name
                     interleaved = interleaved or interleave  # the checkpoint's gate/up rows interleave
-            found = adapter.expert_sources(prefix, module.layout, view, per_expert, interleaved)
+            found = rules.expert_sources(prefix, module.layout, view, per_expert, interleaved)
             sources.update({name: [dataclasses.replace(s, key=renamed.get(s.key, s.key)) for s in srcs]
                             for name, srcs in found.items()})
     for name, srcs in {**_converted_sources(model, converters, targets, shapes),
-                       **adapter.extra_sources(model, targets, shapes)}.items():
+                       **rules.extra_sources(model, targets, shapes)}.items():
         sources.setdefault(name, srcs)
     for name in targets:
         if name not in sources and name in shapes:
@@ -162,7 +163,7 @@ def _converted_sources(model: nn.Module, converters: list[WeightConverter], targ
     expert ``shared_w13_weight`` into ``gate_proj`` at the even rows and ``up_proj`` at the odd ones): each
     checkpoint tensor fills its range of the parameter, so a rank still reads only the part of each tensor its
     shard needs. ``shapes`` holds checkpoint tensors under their renamed names (:func:`model_keys`); converters of
-    other operations (the experts' ``MergeModulelist``) are left to the adapters."""
+    other operations (the experts' ``MergeModulelist``) are left to the family's :class:`SourceRules`."""
     prefix = getattr(model, "base_model_prefix", None)
     groups: dict[tuple[int, str], list[tuple[int, str]]] = {}
     for name in shapes:

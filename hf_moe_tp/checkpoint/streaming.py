@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._compat import root_mesh
+from ..parallel.model_state import placed
 from ..runtime.agreement import agree, describe, rank
 from .engine_slices import engine_placements, slice_of
 from .quantized import SCALE_SUFFIX, fp8_to_float32, quantization_of, scale_values
@@ -160,10 +161,10 @@ def _dequantized(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
 
 def _model_ranks(model: nn.Module) -> list[int]:
     """The global ranks of ``model``'s meshes (one process: [0])."""
-    mesh = getattr(model, "hf_moe_tp_mesh", None)
-    if mesh is None or not dist.is_initialized():
+    state = placed(model)
+    if state is None or not dist.is_initialized():
         return [0]
-    return sorted(root_mesh(mesh).mesh.flatten().tolist())
+    return sorted(root_mesh(state.layout.tp).mesh.flatten().tolist())
 
 
 def _deliver(model: nn.Module, tensor: torch.Tensor | None, entry: Any, leader: int, to: int | str, me: int,
@@ -171,7 +172,7 @@ def _deliver(model: nn.Module, tensor: torch.Tensor | None, entry: Any, leader: 
     """The leader's assembled ``tensor`` on the ranks ``to`` names: a broadcast down the model's mesh, or a send."""
     if not dist.is_initialized() or dist.get_world_size() == 1 or to == leader:
         return tensor
-    mesh = root_mesh(model.hf_moe_tp_mesh)
+    mesh = root_mesh(placed(model).layout.tp)
     device = mesh.device_type  # NCCL moves device tensors only
     if me == leader:
         tensor = tensor if ok else torch.zeros(entry.shape, dtype=entry.dtype)

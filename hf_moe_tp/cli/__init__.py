@@ -1,10 +1,10 @@
 """The ``hf-moe-tp`` command (:mod:`.main`: its parser) and what its commands run: :mod:`.demo`,
 :mod:`.inspection` (``inspect``), :mod:`.generation` (``generate``).
 
-Layering (runtime < parallel < checkpoint < integrations < cli; ``hf_moe_tp.pretrained`` above integrations): the top
-layer; it may import anything of hf_moe_tp, and nothing imports it. This ``__init__`` imports :func:`main` alone,
-which imports neither torch nor transformers until a command runs (``hf-moe-tp --help`` stays fast; the console
-script is ``hf_moe_tp.cli:main``, ``python -m hf_moe_tp.cli`` runs :mod:`.__main__`).
+Layering (runtime < parallel < checkpoint < model_patches < integrations < cli; ``hf_moe_tp.pretrained`` above
+integrations): the top layer; it may import anything of hf_moe_tp, and nothing imports it. This ``__init__`` imports
+:func:`main` alone, which imports neither torch nor transformers until a command runs (``hf-moe-tp --help`` stays
+fast; the console script is ``hf_moe_tp.cli:main``, ``python -m hf_moe_tp.cli`` runs :mod:`.__main__`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from transformers import AutoConfig
 
-from model_patches import adapter_for
+from model_patches import meta_model
 
 from .._compat import fake_store, root_mesh
 from ..checkpoint.conversions import ReadMap, read_map
@@ -102,7 +102,7 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
                              f"shards")
         root = root_mesh(layout.tp)
         dims = dict(zip(root.mesh_dim_names, root.shape, strict=True))
-        model = plans.meta_model(config)
+        model = meta_model(config)
         plan = plans.tp_plan(model, layout.tp.size(), ep_size=ep if ep and ep > 1 else None)
         apply_plan(model, layout.tp, plan, ep_mesh=layout.ep)  # the public one: integrations on, as before
         tower_layouts = {name: tower_layout(model, name, plan) for name in towers(model)}  # TP's splits, not FSDP's
@@ -127,7 +127,7 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
     return Inspection(
         family=config.model_type,
         model_class=type(model).__name__,
-        adapter=adapter_for(model).name,
+        adapter=model.hf_moe_tp.family.name,
         expert_modules=len(experts),
         expert_format=("per-expert keys" if per_expert else "packed 3-D tensors") + " on disk" if weights
         else "config alone",

@@ -2,9 +2,9 @@
 ``from_pretrained`` (:mod:`.install`), its arguments (:mod:`.hf_arguments`), the ``Trainer`` (:mod:`.trainer`),
 accelerate on CPU (:mod:`.accelerate_cpu`) and PEFT's LoRA (:mod:`.lora`).
 
-Layering (runtime < parallel < checkpoint < integrations < cli; ``hf_moe_tp.pretrained`` above integrations): it may
-import ``runtime``, ``parallel``, ``checkpoint`` and :mod:`hf_moe_tp._compat`; :mod:`.install` calls
-:func:`hf_moe_tp.pretrained.from_pretrained` inside a function (the one edge upwards: ``install`` routes
+Layering (runtime < parallel < checkpoint < model_patches < integrations < cli; ``hf_moe_tp.pretrained`` above
+integrations): it may import ``runtime``, ``parallel``, ``checkpoint`` and :mod:`hf_moe_tp._compat`; :mod:`.install`
+calls :func:`hf_moe_tp.pretrained.from_pretrained` inside a function (the one edge upwards: ``install`` routes
 transformers' loader to ours). Never ``cli``. This ``__init__`` imports nothing until a submodule is asked for.
 """
 

@@ -24,7 +24,7 @@ def allow_on_cpu() -> None:
     from accelerate.utils import DistributedType
 
     validate = getattr(ParallelismConfig, ACCELERATE_VALIDATE)
-    if hasattr(validate, "hf_moe_tp_original"):
+    if hasattr(validate, "_hf_moe_tp_original"):
         return
 
     class OnCpu:  # the accelerator as the check sees it: CPU processes count as devices
@@ -42,7 +42,7 @@ def allow_on_cpu() -> None:
     def validate_on_cpu(self, accelerator: Any) -> Any:
         return validate(self, OnCpu(accelerator))
 
-    validate_on_cpu.hf_moe_tp_original = validate
+    validate_on_cpu._hf_moe_tp_original = validate
     setattr(ParallelismConfig, ACCELERATE_VALIDATE, validate_on_cpu)
 
 
@@ -50,6 +50,6 @@ def restore_on_cpu() -> None:
     """Put accelerate's own check back (idempotent)."""
     from accelerate.parallelism_config import ParallelismConfig
 
-    original = getattr(getattr(ParallelismConfig, ACCELERATE_VALIDATE), "hf_moe_tp_original", None)
+    original = getattr(getattr(ParallelismConfig, ACCELERATE_VALIDATE), "_hf_moe_tp_original", None)
     if original is not None:
         setattr(ParallelismConfig, ACCELERATE_VALIDATE, original)

@@ -46,7 +46,7 @@ REFUSED = {
     "adapter_kwargs": "PEFT adapters are not loaded here",
     "use_kernels": "hub kernels are not applied; experts run hf_moe_tp's grouped matmul",
     "tp_size": "the TP size is the mesh's: pass device_mesh= or fsdp_size= / dp_replicate_size=",
-    "output_loading_info": "the load report is model.hf_moe_tp_load",
+    "output_loading_info": "the load report is model.hf_moe_tp.load_report",
 }
 # Arguments taken and without effect, because a tensor-parallel load always does what they ask.
 NO_OPS = {"low_cpu_mem_usage", "weights_only", "_fast_init"}

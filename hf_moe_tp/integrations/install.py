@@ -1,8 +1,9 @@
 """Make transformers' own ``from_pretrained(tp_plan=...)`` load MoE models the hf_moe_tp way.
 
 After :func:`install`, ``AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")`` and
-``from_pretrained(path, distributed_config=DistributedConfig(tp_plan=hf_moe_tp.tp_plan(config)))`` return the
-model :func:`hf_moe_tp.from_pretrained` returns: GroupedExperts with our styles, each rank reading its slices.
+``from_pretrained(path, distributed_config=DistributedConfig(tp_plan=hf_moe_tp.tp_plan(meta_model(config))))``
+(``model_patches.meta_model``) return the model :func:`hf_moe_tp.from_pretrained` returns: GroupedExperts with
+our styles, each rank reading its slices.
 
 Why a patch: transformers' TP loader shards each checkpoint tensor with its own (non-torch) styles into its
 own expert modules; there is no hook to hand it a different module layout. So the one patch here wraps

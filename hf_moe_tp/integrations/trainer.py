@@ -58,6 +58,7 @@ from ..parallel.balancing_loss import trainer_loss_scale
 from ..parallel.load_balance import STATE as EXPERT_LOAD_STATE
 from ..parallel.load_balance import expert_load, load_summary
 from ..parallel.loss import loss_only
+from ..parallel.model_state import placed
 
 TRAINER_MODULE = "transformers.trainer"
 STATE_DIR = "hf_moe_tp_state"  # the DCP checkpoint inside a Trainer checkpoint folder
@@ -66,8 +67,8 @@ _installed = False
 
 
 def is_hf_moe_tp_model(model: Any) -> bool:
-    """Whether ``model`` was loaded by hf_moe_tp (a PEFT model forwards the attribute from the model inside)."""
-    return getattr(model, "hf_moe_tp_mesh", None) is not None
+    """Whether hf_moe_tp placed ``model`` (a PEFT model answers for the model inside)."""
+    return placed(model) is not None
 
 
 def check_gradient_reduction(model: nn.Module) -> None:
@@ -146,7 +147,7 @@ def unpatch_trainer() -> None:
         from transformers import Trainer
 
         for name, method in list(vars(Trainer).items()):
-            original = getattr(method, "hf_moe_tp_original", None)
+            original = getattr(method, "_hf_moe_tp_original", None)
             if original is not None:
                 setattr(Trainer, name, original)
 
@@ -186,7 +187,7 @@ def _patch_trainer() -> None:
                 return ours(self, original, *args, **kwargs)
             return original(self, *args, **kwargs)
 
-        method.hf_moe_tp_original = original
+        method._hf_moe_tp_original = original
         setattr(Trainer, name, method)
 
     def init(trainer: Any, original, model: nn.Module, args: Any = None, *rest: Any, **kwargs: Any) -> None:
@@ -204,7 +205,7 @@ def _patch_trainer() -> None:
         if wrapper:  # accelerate would shard the sharded model again (on CPU it leaves fsdp out without a word)
             raise ValueError(f"{wrapper[0]} (TrainingArguments or the accelerate config) with an hf_moe_tp model, "
                              f"which is sharded already: leave it unset; FSDP2 comes with from_pretrained(fsdp_size=)")
-        trainer.hf_moe_tp_gather = _gather_once_per_tp_group(trainer, model)
+        trainer._hf_moe_tp_gather = _gather_once_per_tp_group(trainer, model)
         reference_like_policy(args, model)
         if any(hasattr(m, EXPERT_LOAD_STATE) for m in model.modules()):  # first: the loggers see what it adds
             trainer.callback_handler.callbacks.insert(0, expert_load_callback()())
@@ -273,7 +274,7 @@ def _gather_once_per_tp_group(trainer: Any, model: nn.Module) -> Callable | None
     if trainer.args.eval_use_gather_object:
         raise ValueError("eval_use_gather_object=True with a tensor-parallel hf_moe_tp model: accelerate's "
                          "gather_object would return each batch once per TP rank; leave it False")
-    ranks = model.hf_moe_tp_mesh.mesh.flatten().tolist()
+    ranks = placed(model).layout.tp.mesh.flatten().tolist()
     if ranks != list(range(ranks[0], ranks[0] + tp)) or ranks[0] % tp:
         raise ValueError(f"the TP group of rank {dist.get_rank()} is ranks {ranks}: accelerate hands the same batches "
                          f"to blocks of {tp} consecutive ranks, so the Trainer needs TP as the last mesh dimension")
@@ -320,8 +321,8 @@ def _loss_multiplier(trainer: Any, num_items_in_batch: Any) -> int:
 
 
 def _evaluation_loop(trainer: Any, original, *args: Any, **kwargs: Any) -> Any:
-    if trainer.hf_moe_tp_gather is not None:
-        trainer.gather_function = trainer.hf_moe_tp_gather  # the loop puts back gather_for_metrics when it ends
+    if trainer._hf_moe_tp_gather is not None:
+        trainer.gather_function = trainer._hf_moe_tp_gather  # the loop puts back gather_for_metrics when it ends
     return original(trainer, *args, **kwargs)
 
 

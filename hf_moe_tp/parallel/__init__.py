@@ -2,10 +2,11 @@
 parameters), the plans that give each module its style, meshes, FSDP2, vocabulary-parallel loss, replicated
 randomness, the multimodal towers, expert-load counters and the input check.
 
-Layering (runtime < parallel < checkpoint < integrations < cli; ``hf_moe_tp.pretrained`` above integrations): it may
-import :mod:`hf_moe_tp.runtime` and :mod:`hf_moe_tp._compat` (and ``model_patches``, for the family adapters), never
-``checkpoint``, ``integrations``, ``cli`` or ``pretrained``, not even inside a function (tests/test_layering.py checks).
-This ``__init__`` imports nothing until a submodule is asked for.
+Layering (runtime < parallel < checkpoint < model_patches < integrations < cli; ``hf_moe_tp.pretrained`` above
+integrations): it may import :mod:`hf_moe_tp.runtime` and :mod:`hf_moe_tp._compat`, never ``checkpoint``,
+``model_patches``, ``integrations``, ``cli`` or ``pretrained``, not even inside a function (tests/test_layering.py
+checks): a family's plan entries reach the plan through the model (``model.hf_moe_tp.family``,
+:class:`.plans.FamilyPlan`). This ``__init__`` imports nothing until a submodule is asked for.
 """
 
 from __future__ import annotations

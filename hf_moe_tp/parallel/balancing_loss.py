@@ -34,9 +34,8 @@ from torch.distributed.tensor import DTensor
 
 from .config import BALANCING_SCOPES as SCOPES
 from .meshes import data_parallel_groups
+from .model_state import state_of
 
-_SCOPE = "_hf_moe_tp_balancing_loss_scope"
-_LOGITS = "_hf_moe_tp_router_logits"  # the backbone's router logits in the current forward
 _scale = {"value": 1}  # the Trainer's loss multiplier inside its compute_loss (a plain global: see loss.py)
 _checked: weakref.WeakSet = weakref.WeakSet()  # models whose family term was checked against the formula here
 
@@ -47,14 +46,14 @@ def global_balancing_loss(model: nn.Module, scope: str = "global") -> None:
     the replica count under the Trainer. Idempotent; a second call changes the scope."""
     if scope not in SCOPES:
         raise ValueError(f"balancing_loss={scope!r} must be one of {SCOPES}")
-    registered = hasattr(model, _SCOPE)
-    setattr(model, _SCOPE, scope)
+    state = state_of(model)
+    registered, state.balancing_loss = state.balancing_loss is not None, scope
     if not registered:
         model.register_forward_hook(_rebalance, with_kwargs=True, always_call=True)
         backbone = getattr(model, "base_model", model)
         if backbone is not model:  # its router logits, for forwards that return none (TRL's fused LM head)
-            backbone.register_forward_hook(lambda m, args, out: setattr(model, _LOGITS, getattr(out, "router_logits",
-                                                                                              None)))
+            backbone.register_forward_hook(lambda m, args, out: setattr(state, "router_logits",
+                                                                        getattr(out, "router_logits", None)))
 
 
 @contextlib.contextmanager
@@ -112,14 +111,15 @@ def _all_reduce(x: torch.Tensor, groups: tuple) -> torch.Tensor:
 
 
 def _rebalance(model: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
-    logits = model.__dict__.pop(_LOGITS, None)
+    state = state_of(model)
+    logits, state.router_logits = state.router_logits, None
     if output is None:  # the forward raised
         return output
     own = getattr(output, "router_logits", None)
     logits = own if own is not None else logits  # TRL's fused LM head returns a term and no logits
     term = getattr(output, "aux_loss", None) if not isinstance(output, tuple) else None
     groups = data_parallel_groups(model)
-    scale, scope = _scale["value"], getattr(model, _SCOPE)
+    scale, scope = _scale["value"], state.balancing_loss
     if not groups and scale == 1:
         return output
     if isinstance(output, tuple) and _router_logits_on(model, kwargs):

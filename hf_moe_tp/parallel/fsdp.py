@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from .._compat import MODEL_FSDP_MANAGED, MODEL_FSDP_PLAN, MODEL_NO_SPLIT
 from .expert_parallel import ExpertParallel
 from .hf_plan import matches
+from .model_state import state_of, style_of
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,9 @@ def shard_data_parallel(
     if not any(p.is_meta for p in ignored):
         divide_expert_gradients(model)
     setattr(model, MODEL_FSDP_MANAGED, True)  # transformers' generate then keeps the data-parallel ranks in step
-    model.hf_moe_tp_dp_mesh = dp_mesh
+    layout = state_of(model).layout
+    if layout is not None:  # placed by a plan first, as from_pretrained does
+        layout.dp, layout.expert_dp = dp_mesh, expert_mesh
     return model
 
 
@@ -121,10 +124,10 @@ def keep_training_fresh(model: nn.Module) -> None:
 def _arm(model: nn.Module, args: tuple) -> None:
     # FSDP2 hooks the root when it is sharded, its pre-forward hook first: ours must come before it, and our
     # post-forward hook after it (registered from the first forward on, when no unit can be gathered yet)
-    if isinstance(model, FSDPModule) and not getattr(model, _ARMED, False):
+    if isinstance(model, FSDPModule) and not state_of(model).fresh_units:
         model.register_forward_pre_hook(_reshard_before_training, prepend=True)
         model.register_forward_hook(_reshard_after_inference)
-        setattr(model, _ARMED, True)
+        state_of(model).fresh_units = True
 
 
 def _reshard_before_training(model: nn.Module, args: tuple) -> None:
@@ -141,9 +144,6 @@ def _reshard(model: nn.Module) -> None:
     for unit in model.modules():
         if isinstance(unit, FSDPModule):
             unit.reshard()  # a no-op on a sharded unit
-
-
-_ARMED = "hf_moe_tp_fresh_training_armed"
 
 
 def _shard_experts(model: nn.Module, mesh: DeviceMesh, reshard: bool, kwargs: dict) -> None:
@@ -284,7 +284,7 @@ def _expert_modules(model: nn.Module) -> Iterator[tuple[nn.Module, list[nn.Param
     fed every ep rank's tokens. (FSDP2 puts the dense layers of that layout on an ``(ep, tp)`` mesh too, and experts
     it shards over ``efsdp`` on a mesh with that dimension in front: neither is one of these.)"""
     for module in model.modules():
-        if isinstance(getattr(module, "hf_moe_tp_style", None), ExpertParallel):
+        if isinstance(style_of(module), ExpertParallel):
             params = [p for p in module.parameters(recurse=False) if isinstance(p, DTensor)
                       and "ep" in (p.device_mesh.mesh_dim_names or ()) and p.device_mesh.ndim == 2]
             if params:

@@ -110,7 +110,7 @@ def _local(x: torch.Tensor, mesh: DeviceMesh, layout: Shard | Replicate) -> torc
 
 # Set on a gathering ColumnParallel module (the output projection, by hf_moe_tp.parallel.loss) while its output is to
 # stay split: a DTensor Shard(-1), for the loss computed from split logits.
-KEEP_SPLIT = "hf_moe_tp_keep_split"
+KEEP_SPLIT = "_hf_moe_tp_keep_split"
 
 
 def _gather_or_keep_split(module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

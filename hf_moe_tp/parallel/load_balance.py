@@ -28,9 +28,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .._compat import in_backward
 from .experts import GroupedExperts
 from .meshes import data_parallel_rank
+from .model_state import state_of
 
 STATE = "_hf_moe_tp_expert_load"  # the per-module counters
-_MASK = "_hf_moe_tp_token_mask"  # the root model's current forward's non-padding tokens, flattened
 
 
 @dataclass
@@ -45,10 +45,10 @@ class _Counts:
 def track_expert_load(model: nn.Module) -> None:
     """Count the tokens routed to each expert of every GroupedExperts in ``model`` from now on (idempotent;
     :func:`hf_moe_tp.apply_plan` calls it for every model it places)."""
-    if getattr(model, STATE, False):
+    if state_of(model).counting_tokens:
         return
     in_backward()  # resolves torch's private function now, not inside a compiled forward
-    setattr(model, STATE, True)
+    state_of(model).counting_tokens = True
     model.register_forward_pre_hook(_remember_mask, with_kwargs=True)
     model.register_forward_hook(_forget_mask, always_call=True)
     for module in model.modules():
@@ -107,7 +107,8 @@ def load_summary(load: torch.Tensor) -> dict[str, float]:
 
 def _remember_mask(model: nn.Module, args: tuple, kwargs: dict) -> None:
     mask = kwargs.get("attention_mask")
-    setattr(model, _MASK, None if not isinstance(mask, torch.Tensor) or mask.dim() != 2 else mask.reshape(-1) != 0)
+    flat = isinstance(mask, torch.Tensor) and mask.dim() == 2
+    state_of(model).token_mask = mask.reshape(-1) != 0 if flat else None
     if model.training and kwargs.get("labels") is not None:
         _warn_if_balancing_term_off(model, kwargs)
 
@@ -149,7 +150,7 @@ def _warn_if_balancing_term_off(model: nn.Module, kwargs: dict) -> None:
 
 
 def _forget_mask(model: nn.Module, args: tuple, out: object) -> None:
-    setattr(model, _MASK, None)
+    state_of(model).token_mask = None
 
 
 def _counter(model: nn.Module):
@@ -163,7 +164,7 @@ def _counter(model: nn.Module):
         if c.total is None or c.total.device != index.device:
             c.total = torch.zeros(module.num_experts, dtype=torch.long, device=index.device)
             c.at_reset, c.at_update = torch.zeros_like(c.total), torch.zeros_like(c.total)
-        mask = getattr(model, _MASK, None)
+        mask = state_of(model).token_mask
         with torch.no_grad():
             flat = index.reshape(-1).long()
             ones = torch.ones_like(flat)
@@ -177,7 +178,6 @@ def _counter(model: nn.Module):
 # ---- auxiliary-loss-free balancing (DeepSeek-V3) -------------------------------------------------------------
 
 BIAS = "e_score_correction_bias"  # the routers' per-expert score bias, where a family has one
-_RATE = "_hf_moe_tp_expert_bias_update_rate"
 _balanced: weakref.WeakSet = weakref.WeakSet()  # models whose biases follow the rule
 _step_hook = None
 
@@ -211,7 +211,7 @@ def balance_experts(model: nn.Module, rate: float) -> None:
     if rate <= 0:
         raise ValueError(f"expert_bias_update_rate must be positive, got {rate}")
     global _step_hook
-    setattr(model, _RATE, float(rate))
+    state_of(model).expert_bias_update_rate = float(rate)
     _balanced.add(model)
     if _step_hook is None:
         _step_hook = register_optimizer_step_post_hook(_after_step)
@@ -220,7 +220,7 @@ def balance_experts(model: nn.Module, rate: float) -> None:
 def update_expert_biases(model: nn.Module, rate: float | None = None) -> None:
     """One application of the rule (what the optimizer-step hook of :func:`balance_experts` runs); every rank
     must call it. Loads are those since the previous update."""
-    rate = getattr(model, _RATE) if rate is None else rate
+    rate = state_of(model).expert_bias_update_rate if rate is None else rate
     load = _gather(model, "at_update", reset=True).double()
     with torch.no_grad():
         for i, bias in enumerate(expert_biases(model)):

@@ -261,10 +261,14 @@ def data_parallel_groups(model) -> tuple:
 def _batch_mesh(model) -> DeviceMesh | None:
     """The mesh whose ranks hold different batches: the data-parallel mesh, else an ``(ep, tp)`` mesh's ep
     dimension, else None."""
-    dp = getattr(model, "hf_moe_tp_dp_mesh", None)
-    if dp is None and getattr(model, "hf_moe_tp_ep_mesh", None) is not None:
-        return model.hf_moe_tp_ep_mesh["ep"]
-    return dp
+    from .model_state import placed  # (model_state imports Layout from here)
+
+    state = placed(model)
+    if state is None:
+        return None
+    if state.layout.dp is None and state.layout.ep is not None:
+        return state.layout.ep["ep"]
+    return state.layout.dp
 
 
 def _experts_inside_fsdp(ep_size: int | None, fsdp_size: int, replicate: int) -> bool:

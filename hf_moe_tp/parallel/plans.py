@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 )
 from transformers import PretrainedConfig
 
-from .._compat import MODEL_TP_PLAN, from_config, is_strided_shard
+from .._compat import MODEL_TP_PLAN, is_strided_shard
 from ..runtime.shutdown import release_at_exit
 from .boxes import shard_dim
 from .expert_parallel import ExpertParallel
@@ -35,6 +35,8 @@ from .hf_plan import entries, heads_divide, matches
 from .linear import ColumnParallel, RowParallel
 from .load_balance import track_expert_load
 from .loss import split_loss
+from .meshes import Layout
+from .model_state import STYLE, state_of
 from .styles import (
     LocalDuringCall,
     LocalParams,
@@ -90,10 +92,19 @@ ROUTER_NAMES = ("gate", "router")
 logger = logging.getLogger(__name__)
 
 
-def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, ep_size: int | None = None,
+class FamilyPlan:
+    """A family's plan entries beyond transformers' plan and its translation: none (the generic rule). A family
+    whose transformers plan leaves something out subclasses it (``model_patches``: GPT-OSS's attention)."""
+
+    def entries(self, model: nn.Module, tp_size: int | None) -> dict[str, ParallelStyle]:
+        """Module name -> style, for ``model`` at ``tp_size``."""
+        return {}
+
+
+def tp_plan(model: nn.Module, tp_size: int | None = None, *, ep_size: int | None = None,
             loss_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """The default plan for ``model`` (with GroupedExperts swapped in), or for the causal-LM model that
-    ``config`` describes: module name -> style.
+    """The default plan for ``model`` (with GroupedExperts swapped in: built by its family,
+    ``model_patches.meta_model(config)`` on the meta device): module name -> style.
 
     Experts get ``TensorParallel`` (each expert split by its hidden size), or with ``ep_size`` > 1
     ``ExpertParallel`` (whole experts per rank); everything else is planned for ``tp_size`` either way.
@@ -110,7 +121,8 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, 
     vocabulary that does not divide) is refused by name.
     """
     if isinstance(model, PretrainedConfig):
-        model = meta_model(model)
+        raise TypeError("tp_plan takes a model, not a config: tp_plan(model_patches.meta_model(config)) plans the "
+                        "model a config describes, built on the meta device with its experts swapped in")
     if tp_size is None and torch.distributed.is_initialized():
         tp_size = torch.distributed.get_world_size()
     modules = dict(model.named_modules())
@@ -138,10 +150,9 @@ def tp_plan(model: nn.Module | PretrainedConfig, tp_size: int | None = None, *, 
     if (head and head not in plan and not tied and tp_size and isinstance(modules[head], nn.Linear)
             and modules[head].out_features % tp_size == 0):
         plan[head] = HF_STYLES["colwise_gather_output"]()  # families whose transformers plan leaves it whole
-    from model_patches import adapter_for
-
+    family = state_of(model).family
     plan.update(entries(model, tp_size))
-    plan.update(adapter_for(model).plan_entries(model, tp_size))
+    plan.update((family.plan if family is not None else FamilyPlan()).entries(model, tp_size))
     plan.update(sink_entries(model, plan))
     for name, module in modules.items():
         if isinstance(module, GroupedExperts):
@@ -188,46 +199,6 @@ def sink_entries(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, 
                                                                               ColwiseParallel):
             out[name] = LocalParams(placements={"sinks": Shard(0)}, sum_grads=False)
     return out
-
-
-def meta_model(config: PretrainedConfig, model_class: type | None = None, dtype: torch.dtype | None = None,
-               attn_implementation: str | None = None) -> nn.Module:
-    """The model ``config`` describes, on the meta device (buffers real), with GroupedExperts swapped in."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    from model_patches import adapter_for
-
-    cls = model_class or declared_class(config) or AutoModelForCausalLM
-    with init_empty_weights(include_buffers=False):
-        kwargs = {"dtype": dtype} if dtype is not None else {}
-        if attn_implementation is not None:  # validated by transformers as for its own from_pretrained
-            kwargs["attn_implementation"] = attn_implementation
-        model = from_config(cls, config, **kwargs)
-    model.tie_weights()  # transformers ties after loading; the plan needs the ties now
-    adapter_for(model).swap_experts(model)
-    return model
-
-
-def declared_class(config: PretrainedConfig) -> type | None:
-    """The model class the checkpoint declares (``config.architectures``), where transformers registers it for
-    this config in one of its Auto mappings (a vision-language checkpoint's ``...ForConditionalGeneration``,
-    say); ``None`` when it declares none that maps."""
-    import transformers
-    from transformers.models.auto import modeling_auto
-
-    registered = {name for attr in dir(modeling_auto) if attr.startswith("MODEL_") and attr.endswith("_MAPPING_NAMES")
-                  for name in _names(getattr(modeling_auto, attr).get(config.model_type))}
-    for name in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, name, None)
-        config_class = getattr(cls, "config_class", None)
-        if name in registered and isinstance(config_class, type) and isinstance(config, config_class):
-            return cls
-    return None
-
-
-def _names(entry) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
 # transformers' names for what it does to an experts module or its weights -> ours: TensorParallel splits each
@@ -344,7 +315,7 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
     as a plain tensor. ``ExpertParallel`` entries go on ``ep_mesh`` when given (a 2-D ``(ep, tp)`` mesh whose
     ``tp`` dimension is ``mesh``), on ``mesh`` otherwise. Where the output projection is split over the
     vocabulary, forwards with labels take the loss from the split logits (:func:`hf_moe_tp.parallel.loss.split_loss`;
-    ``model.hf_moe_tp_split_loss`` says whether). Every GroupedExperts counts its tokens
+    ``model.hf_moe_tp.split_loss`` says whether). Every GroupedExperts counts its tokens
     (:func:`hf_moe_tp.expert_load`). Changes no other library: the public :func:`hf_moe_tp.apply_plan`
     (:func:`hf_moe_tp.pretrained.apply_plan`) is this after switching the integrations on."""
     plan = resolve_plan(plan)
@@ -369,7 +340,7 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
     for name, module in model.named_modules():
         style = leftovers.get(name) or every.get(name) or next((s for p, s in patterns if matches(name, p)), None)
         if style is not None:
-            module.hf_moe_tp_style = style
+            setattr(module, STYLE, style)
     keep_training_fresh(model)
     local = [(module, n) for name, module in model.named_modules()
              if isinstance(style := _style_for(name, resolved), LocalParams) and not style.sum_grads
@@ -391,7 +362,10 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
             for method in FEATURE_METHODS:
                 if names and callable(getattr(type(module), method, None)):
                     setattr(module, method, LocalDuringCall(module, method, names))
-    model.hf_moe_tp_split_loss = split_loss(model, every)
+    state = state_of(model)
+    state.layout = state.layout or Layout(mesh, ep_mesh)  # from_pretrained gives its whole layout after
+    state.plan = every
+    state.split_loss = split_loss(model, every)
     track_expert_load(model)
     return model
 

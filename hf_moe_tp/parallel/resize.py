@@ -25,10 +25,10 @@ from torch.distributed.tensor import DTensor
 
 from .._compat import MODEL_RESIZED_EMBEDDINGS, MODEL_RESIZED_HEAD, drop_forward_hooks, fsdp_replace_param
 from .linear import ColumnParallel
+from .model_state import STYLE, placed
 from .styles import LocalParams, VocabParallelEmbedding
 
 OURS = ("hf_moe_tp.", "torch.distributed.tensor.")  # modules whose forward hooks a placement registers
-STYLE = "hf_moe_tp_style"  # each placed module's style (plans.apply_plan)
 
 
 def bind_resize(model: nn.Module) -> None:
@@ -113,13 +113,14 @@ def _place(model: nn.Module, module: nn.Module, tensors: dict[str, torch.Tensor]
     """``module`` with plain ``tensors`` as its parameters, placed again: its style on the TP mesh where ``rows``
     divides by the TP size, replicated (computed locally) otherwise; the placement's hooks of before removed; then,
     under FSDP2, each parameter handed to FSDP2 again in its unit."""
-    placed = [p for p in (module._parameters[name] for name in tensors) if isinstance(p, DTensor)]
+    split = [p for p in (module._parameters[name] for name in tensors) if isinstance(p, DTensor)]
     # the model's TP mesh: under FSDP2 a parameter's mesh also holds the data-parallel dimensions
-    mesh = getattr(model, "hf_moe_tp_mesh", None) or (placed[0].device_mesh if placed else None)
+    state = placed(model)
+    mesh = state.layout.tp if state is not None else (split[0].device_mesh if split else None)
     _drop_placement_hooks(module)
     for name, tensor in tensors.items():
         module._parameters[name] = nn.Parameter(tensor, requires_grad=module._parameters[name].requires_grad)
-    if not placed or mesh is None:  # never placed (a model of one process): plain parameters
+    if not split or mesh is None:  # never placed (a model of one process): plain parameters
         return
     style = getattr(module, STYLE, None)
     if style is None or (isinstance(style, VocabParallelEmbedding | ColumnParallel) and rows % mesh.size()):

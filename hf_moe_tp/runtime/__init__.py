@@ -2,9 +2,9 @@
 bounded collectives and their errors (:mod:`.timeouts`), one outcome on every rank (:mod:`.agreement`), the
 process groups a model holds let go at exit (:mod:`.shutdown`).
 
-Layering (runtime < parallel < checkpoint < integrations < cli; ``hf_moe_tp.pretrained`` above integrations): the
-bottom layer. Its modules import nothing of hf_moe_tp but :mod:`hf_moe_tp._compat`. This ``__init__`` imports
-nothing until a submodule is asked for.
+Layering (runtime < parallel < checkpoint < model_patches < integrations < cli; ``hf_moe_tp.pretrained`` above
+integrations): the bottom layer. Its modules import nothing of hf_moe_tp but :mod:`hf_moe_tp._compat`. This
+``__init__`` imports nothing until a submodule is asked for.
 """
 
 from __future__ import annotations

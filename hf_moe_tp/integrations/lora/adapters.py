@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from ..._compat import is_strided_shard, strided_shard
 from ...parallel.boxes import shard_dim
+from ...parallel.model_state import style_of
 from ...parallel.styles import (
     _SumGradOverMesh,
     swap_back,
@@ -42,7 +43,7 @@ def shard_adapter(layer: nn.Module, adapter: str, config: Any, name: str = "") -
         raise UnsupportedLoraError(f"LoRA variant {type(layer.lora_variant[adapter]).__name__} (use_dora and the "
                                    f"like) on {where}: not supported on the tensor-parallel model")
     base = layer.get_base_layer()
-    style = getattr(base, "hf_moe_tp_style", None)
+    style = style_of(base)
     weight = base.weight
     if style is None or not isinstance(weight, DTensor):
         raise UnsupportedLoraError(f"LoRA on {where}: its base layer was not parallelized by hf_moe_tp's plan")
@@ -114,11 +115,11 @@ def _shard_expert_adapter(layer: nn.Module, adapter: str, where: str) -> None:
     if a.weight.device.type == "meta":
         raise UnsupportedLoraError("LoRA adapters made on the meta device (low_cpu_mem_usage=True) on the "
                                    "tensor-parallel model: create them with low_cpu_mem_usage=False")
-    if type(base.hf_moe_tp_style) is ExpertParallel:
+    if type(style_of(base)) is ExpertParallel:
         local_of = _place_by_experts(layer, adapter, weight, where)
     else:
         split = weight.placements[_tp_dim(weight.device_mesh, where)]
-        placement = _Placement(base.hf_moe_tp_style, where, weight.device_mesh, kind="experts")
+        placement = _Placement(style_of(base), where, weight.device_mesh, kind="experts")
         # PEFT's in_features are dim 2 of (E, out, in), dim 1 of a transposed (E, in, out): a split input splits A's
         # columns, a split output B's rows, as the weight's (a packed gate/up: each half's rows)
         inputs = 1 if base.is_transposed else 2

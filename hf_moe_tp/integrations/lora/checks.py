@@ -11,6 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard
 
+from ...parallel.model_state import style_of
+
 # init_lora_weights values drawn without reading the base weights: PEFT's own draws, at the whole shapes
 SUPPORTED_INITS = (True, False, "gaussian")
 
@@ -63,7 +65,7 @@ def _check_target_parameter(target: str, model: nn.Module) -> None:
             + ": LoRA on parameters goes on the routed experts' weights, transformers' gate_up_proj (up_proj when "
               "ungated) and down_proj, e.g. target_parameters=['mlp.experts.gate_up_proj', "
               "'mlp.experts.down_proj'], not on routers or other layers' parameters")
-    styles = {name: getattr(module, "hf_moe_tp_style", None) for name, module in hits}
+    styles = {name: style_of(module) for name, module in hits}
     biased = [name for name, module in hits if target.endswith("down_proj") and module.has_bias
               and type(styles[name]) is TensorParallel]
     if biased:
@@ -100,7 +102,7 @@ def _check_expert_parallel(target: str, name: str, experts: nn.Module, model: nn
                                    "experts under ExpertParallel "
                                    "is supported with ep_size equal to the TP size (with or without FSDP2), and on "
                                    "an (ep, tp) mesh with FSDP2 over ep (fsdp_size equal to the ep size)")
-    style = experts.hf_moe_tp_style
+    style = style_of(experts)
     if mesh.ndim == 1 and style.input_layout == Shard(0):
         raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r} under {style!r} at {name}: ranks "
                                    "holding their own batches without FSDP2 train the other adapters each on its "

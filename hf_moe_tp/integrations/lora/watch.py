@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ..._compat import LORA_CHECK, LORA_CREATE, LORA_UNLOAD, PEFT_DEVICE_MESH, PEFT_TP_PLAN
+from ...parallel.model_state import placed
 from .adapters import shard_adapter
 from .checks import UnsupportedLoraError, check_config
 from .saving import _bind_save
@@ -40,7 +41,7 @@ def _on_register(parent: nn.Module, name: str, sub: nn.Module) -> None:
 
 
 def _parallelized(module: Any) -> bool:
-    return isinstance(module, nn.Module) and any(hasattr(m, "hf_moe_tp_style") for m in module.modules())
+    return placed(module) is not None
 
 
 def _is_peft_model(module: nn.Module) -> bool:
