@@ -173,15 +173,44 @@ def _balance(path: str, kwargs: dict, rate: float | None) -> dict:
     return {"biases": torch.stack(biases), "local_equal": same, "imbalance": imbalance}
 
 
+def _by_hand(path: str, rate: float) -> torch.Tensor:
+    """The rule computed by hand on transformers' own DeepSeek-V3 (no hf_moe_tp): each layer's load counted from
+    the expert indices its experts module is called with, and after each step its router's score-correction bias
+    moved by ``rate * sign(mean load - load)``. The weights do not move (``_balance``'s learning rate is 0)."""
+    ref = AutoModelForCausalLM.from_pretrained(path).train()
+    experts = {n: m for n, m in ref.named_modules() if n.endswith("mlp.experts")}
+    loads = {n: torch.zeros(ref.config.n_routed_experts, dtype=torch.long) for n in experts}
+
+    def count(name: str):
+        def hook(module, args) -> None:
+            loads[name] += torch.bincount(args[1].reshape(-1), minlength=ref.config.n_routed_experts)
+        return hook
+
+    for name, module in experts.items():
+        module.register_forward_pre_hook(count(name))
+    for step in range(STEPS):
+        ids = torch.randint(0, ref.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+        with torch.no_grad():
+            ref(ids, labels=ids)
+            for name, load in loads.items():
+                bias = ref.get_submodule(name.removesuffix(".experts")).gate.e_score_correction_bias
+                bias += (rate * torch.sign(load.double().mean() - load.double())).to(bias.dtype)
+                load.zero_()
+    return torch.stack([ref.get_submodule(n.removesuffix(".experts")).gate.e_score_correction_bias for n in experts])
+
+
 BALANCE_LAYOUTS = {"tp2": (2, {}), "ep2": (2, {"ep_size": 2}), "dp2_tp2": (4, {"fsdp_size": 2})}
 
 
 def test_expert_bias_rule_matches_one_process_and_balances(ranks, skewed_deepseek):
     """from_pretrained(expert_bias_update_rate=u) moves each router's score-correction bias after every optimizer
-    step by u * sign(mean load - load): at TP 2, EP 2 and dp 2 x tp 2 the biases after the steps equal the same rule
-    in one process on the same global batches, identical on every rank; on routers skewed onto two experts the
-    imbalance (max/mean load) falls with the rule and not without it."""
+    step by u * sign(mean load - load): in one process the biases after the steps equal the rule computed by hand on
+    transformers' own model; at TP 2, EP 2 and dp 2 x tp 2 they equal the one process's on the same global batches,
+    identical on every rank; on routers skewed onto two experts the imbalance (max/mean load) falls with the rule
+    and not without it."""
     one = ranks(1).run(_balance, skewed_deepseek, {}, RATE)[0]
+    hand = _by_hand(skewed_deepseek, RATE)
+    assert torch.equal(one["biases"], hand), (one["biases"] - hand).abs().max()
     without = ranks(1).run(_balance, skewed_deepseek, {}, None)[0]
     assert one["imbalance"][-1] < 0.75 * one["imbalance"][0], one["imbalance"]
     assert min(without["imbalance"]) > one["imbalance"][-1], (without["imbalance"], one["imbalance"])
