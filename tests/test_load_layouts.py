@@ -196,24 +196,26 @@ INSPECT = {"dp2_tp2": dict(tp=2, fsdp=2), "dp4": dict(tp=1, fsdp=4), "dp2_ep2": 
            "dp_replicate2_dp2": dict(tp=1, fsdp=2, dp_replicate=2)}
 
 
-def _held_and_read(path: str, kwargs: dict) -> tuple[int, int]:
+def _held_and_read(path: str, kwargs: dict) -> tuple[int, int, int]:
     model = hf_moe_tp.from_pretrained(path, **kwargs)
     held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    return held, model.hf_moe_tp.load_report.bytes_read
+    return held, model.hf_moe_tp.load_report.bytes_read, _fp8_share(model, path)
 
 
 @pytest.mark.parametrize("layout", sorted(INSPECT))
 def test_inspect_predicts_each_ranks_shards_and_reads(ranks, checkpoints, layout):
     """inspect's per-rank parameter bytes and bytes read (FP8 checkpoint: blocks a shard cuts counted on both
-    sides) equal what each rank of the real load holds and reads, at every layout."""
+    sides) equal what each rank of the real load holds and reads, at every layout; its bytes read also equal each
+    rank's share worked out from the checkpoint's names and dtypes (:func:`_fp8_share`), since inspect and the
+    loader share the read map that would otherwise agree with itself."""
     from hf_moe_tp.cli.inspection import inspect_checkpoint
 
     path = checkpoints("fp8")[0]
     report = inspect_checkpoint(path, **INSPECT[layout])
     real = ranks(4).run(_held_and_read, path, LAYOUTS[layout])
-    assert report.rank_bytes == [held for held, _ in real]
-    assert report.rank_disk_bytes == [read for _, read in real]
-    assert report.rank_optimizer_bytes == [2 * held for held, _ in real]
+    assert report.rank_bytes == [held for held, _, _ in real]
+    assert report.rank_disk_bytes == [read for _, read, _ in real] == [share for _, _, share in real]
+    assert report.rank_optimizer_bytes == [2 * held for held, _, _ in real]
     assert all(peak > held for peak, held in zip(report.rank_peak_load_bytes, report.rank_bytes, strict=True))
 
 
