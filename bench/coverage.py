@@ -56,7 +56,7 @@ def run_family(pool, family: Family, root: Path, timeout: float, native: bool = 
         return res
     try:
         r = pool.run(run_ours, str(path), kind, True, loss_parallel, timeout=timeout)[0]
-        res.adapter, res.diff, res.split_loss = r["adapter"], r["diff"], r.get("split_loss")
+        res.rules, res.diff, res.split_loss = r["rules"], r["diff"], r.get("split_loss")
         res.ours_reason = ours_passes(r)
         if not res.ours_reason:
             upath, _ = save_tiny(family, root, expert_hidden=21)

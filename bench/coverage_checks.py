@@ -84,7 +84,7 @@ def run_ours(path: str, kind: str, full: bool = True, loss_parallel: bool = Fals
     with torch.no_grad():
         ref_out = _output(ref, ids, kind)
         diff = (_full(_output(model, ids, kind)) - ref_out).abs().max().item()
-    out = {"diff": diff, "sharded": sharded, "grouped": len(experts), "adapter": model.hf_moe_tp.family.name}
+    out = {"diff": diff, "sharded": sharded, "grouped": len(experts), "rules": model.hf_moe_tp.family.name}
     out["split_loss"] = bool(model.hf_moe_tp.split_loss)
     if not full:
         return out

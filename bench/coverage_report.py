@@ -15,7 +15,7 @@ class Result:
     expert_classes: list[str]
     flags: dict
     kind: str = "?"
-    adapter: str = "?"
+    rules: str = "?"  # the family whose rules (model_patches) built it: "generic" or its own
     ours: str = "fail"
     diff: float | None = None
     uneven_diff: float | None = None
@@ -98,7 +98,9 @@ def write_markdown(results: list[Result], path: Path, seconds: float) -> None:
         "text model's loss: its last hidden states against a fixed random projection); and "
         "the odd expert hidden size loads and matches too. *Native* is transformers' own "
         "`from_pretrained(path, tp_plan=\"auto\")` on the same files (hf_moe_tp not installed): it passes when the "
-        "experts are sharded, the logits match and a training step runs and matches. Loaded: `CausalLM` is "
+        "experts are sharded, the logits match and a training step runs and matches. *Rules*: `generic` where the "
+        "family's experts, plan and checkpoint follow transformers' expert-layout metadata, else the family whose "
+        "own rules in `model_patches/` built it. Loaded: `CausalLM` is "
         "`AutoModelForCausalLM`; `text model` is the language decoder (`AutoModel` of the text config) where "
         "transformers maps no causal LM to the family's text config.",
         "",
@@ -114,7 +116,7 @@ def write_markdown(results: list[Result], path: Path, seconds: float) -> None:
         "24 / 21), with the image greedy `generate` identical and one SGD step matching, and the odd expert width "
         "too. `text only`: see the last section for why (bold: hf_moe_tp fails the full class).",
         "",
-        "| family | model_type | expert layout | loaded | adapter | ours | max diff (24 / 21) | native | "
+        "| family | model_type | expert layout | loaded | rules | ours | max diff (24 / 21) | native | "
         "native experts sharded | native max diff | inputs verified |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -122,7 +124,7 @@ def write_markdown(results: list[Result], path: Path, seconds: float) -> None:
         loaded = "CausalLM" if r.kind == "causal_lm" else (
             "text model" + (f" ({r.kind.rpartition('.')[2]})" if ":" in r.kind else "") if r.kind != "?" else "?")
         sharded = "-" if r.native_sharded is None else ("yes" if r.native_sharded else "no")
-        lines.append(f"| {r.family} | {r.model_type} | {_flags(r.flags)} | {loaded} | {r.adapter} | "
+        lines.append(f"| {r.family} | {r.model_type} | {_flags(r.flags)} | {loaded} | {r.rules} | "
                      f"{'**' + r.ours + '**' if r.ours == 'fail' else r.ours} | {_fmt(r.diff)} / {_fmt(r.uneven_diff)} "
                      f"| {r.native} | {sharded} | {_fmt(r.native_diff)} | {_inputs(r)} |")
     failing = [r for r in results if r.ours != "pass"]

@@ -73,7 +73,7 @@ def build(config, tp: int, ep: bool, keep: bool):
     plan = plans.tp_plan(model, tp, ep_size=tp if ep else None)
     if keep:
         keep_fp8_weights(model, "hub DeepSeek-V3 FP8", plan, view=hub_fp8_view(model))
-    plans.apply_plan(model, init_device_mesh("cpu", (tp,)), plan)
+    plans.parallelize(model, init_device_mesh("cpu", (tp,)), plan)
     if keep:
         place_scales(model)
     return rank_bytes(model, tp)

@@ -2,7 +2,7 @@
 ``DistributedConfig(tp_size=2, fsdp_size=2)``, fp32 and bf16, training tokens per second and peak memory per rank.
 
     python -m bench.train [--layers 1] [--batch 4] [--seq 256] [--repeats 3] [--loss-parallel] [--trainer] [--lora]
-                          [--expert-load]
+                          [--token-counts]
 
 The model is bench/load.py's Mixtral shape (hidden 1024, 16 experts of 1536, top-2, 16 heads, 8 KV heads,
 vocabulary 32000) with ``--layers`` decoder layers (4 is bench/load.py's checkpoint itself), made once with
@@ -18,8 +18,8 @@ and then timed in rotation:
 - with ``--trainer``, ``hf_moe_tp Trainer.training_step``: the default model stepped by transformers' Trainer
   (its ``training_step``: forward and backward through ``compute_loss``, where the logits stay split since only
   the loss is read, hf_moe_tp.integrations.trainer) and then the same clip and AdamW step;
-- with ``--expert-load``, ``hf_moe_tp no expert-load counting``: the default model without the per-expert token
-  counters every placed model keeps (hf_moe_tp.parallel.load_balance; ``apply_plan`` patched not to install them), for
+- with ``--token-counts``, ``hf_moe_tp no token counting``: the default model without the per-expert token
+  counters every placed model keeps (hf_moe_tp.parallel.expert_balance; ``apply_plan`` patched not to install them), for
   the counters' cost beside the default row;
 - ``transformers fsdp2 x tp2``: ``AutoModelForCausalLM.from_pretrained(path,
   distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))`` with hf_moe_tp not installed: transformers' own
@@ -90,7 +90,7 @@ WORLD, TP, DP = 4, 2, 2
 OURS, OURS_LP, NATIVE = "hf_moe_tp", "hf_moe_tp loss_parallel", "transformers fsdp2 x tp2"
 NATIVE_EP = "transformers fsdp2 x tp2 ep_size=2"  # its experts split too: the row of equal memory
 OURS_TRAINER = "hf_moe_tp Trainer.training_step"
-OURS_UNCOUNTED = "hf_moe_tp no expert-load counting"
+OURS_UNCOUNTED = "hf_moe_tp no token counting"
 OURS_LORA, NATIVE_LORA = "hf_moe_tp lora", "transformers tp4 lora"
 LORA_TARGETS = ["q_proj", "v_proj"]  # what transformers' TP runs with PEFT (o_proj fails in its forward)
 # relative; the loss is summed in fp32 by both; a gradient norm over multi-million-element CPU tensors in fp32
@@ -204,7 +204,7 @@ def bench_rank(path: str, dtype_name: str, batch: int, seq: int, repeats: int, l
         if uncounted:
             from unittest import mock
 
-            with mock.patch("hf_moe_tp.parallel.plans.track_expert_load", lambda model: None):
+            with mock.patch("hf_moe_tp.parallel.plans.count_tokens_per_expert", lambda model: None):
                 models[OURS_UNCOUNTED] = hf_moe_tp.from_pretrained(path, fsdp_size=DP, dtype=dtype)
         models[OURS] = hf_moe_tp.from_pretrained(path, fsdp_size=DP, dtype=dtype)
         if loss_parallel:
@@ -306,7 +306,7 @@ def main() -> None:
     p.add_argument("--trainer", action="store_true", help="add a row stepped by transformers' Trainer.training_step")
     p.add_argument("--system-malloc", action="store_true", help="keep glibc's default malloc thresholds")
     p.add_argument("--lora", action="store_true", help="LoRA on q/k/v/o_proj at TP=4 against transformers' TP")
-    p.add_argument("--expert-load", action="store_true", help="add a row without the per-expert token counters")
+    p.add_argument("--token-counts", action="store_true", help="add a row without the per-expert token counters")
     args = p.parse_args()
     path = args.dir or default_dir(args.layers)
     if args.batch % DP:
@@ -322,7 +322,7 @@ def main() -> None:
     repeats = args.repeats
     for dtype in args.dtypes:
         ranks = run_on_ranks(bench_rank, WORLD, str(path), dtype, args.batch, args.seq, args.repeats,
-                             args.loss_parallel, args.lora, args.trainer, args.expert_load, timeout=3600)
+                             args.loss_parallel, args.lora, args.trainer, args.token_counts, timeout=3600)
         results = {name: r for name, r in ranks[0].items() if name != "vm_hwm_mib"}  # rank 0 speaks for timing
         peak = {name: max(r[name]["peak_mib"] for r in ranks) for name in results}
         ref = results[native]
@@ -335,7 +335,7 @@ def main() -> None:
                   f"{peak[name] / peak[native]:.2f}x | {max(x[name]['held_mib'] for x in ranks):.0f} |")
         if OURS_UNCOUNTED in results:
             cost = results[OURS]["step_s"] / results[OURS_UNCOUNTED]["step_s"] - 1
-            print(f"\nexpert-load counters: {cost:+.1%} of the median step ({results[OURS]['step_s']:.3f} s with, "
+            print(f"\ntoken counters: {cost:+.1%} of the median step ({results[OURS]['step_s']:.3f} s with, "
                   f"{results[OURS_UNCOUNTED]['step_s']:.3f} s without)")
         print()
         for name, r in results.items():

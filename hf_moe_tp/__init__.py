@@ -17,54 +17,64 @@ from ._lazy import submodule
 
 # public name -> the module that defines it
 _EXPORTS = {
+    "CheckpointError": "checkpoint.files",
     "ExpertActivation": "parallel.experts",
     "ExpertParallel": "parallel.expert_parallel",
     "GroupedExperts": "parallel.experts",
+    "InputMismatchError": "parallel.input_check",
+    "LoadError": "pretrained",
     "LoadReport": "checkpoint.loading",
     "LocalParams": "parallel.styles",
     "NoParallel": "parallel.styles",
     "ParallelConfig": "parallel.config",
+    "RankError": "runtime.launch",
+    "SaveError": "checkpoint.saving",
+    "StreamError": "checkpoint.streaming",
     "TensorParallel": "parallel.styles",
+    "UnsupportedLoraError": "integrations.lora.checks",
     "apply_plan": "pretrained",
     "clip_grad_norm_": "parallel.grad_norm",
     "data_parallel_rank": "parallel.meshes",
-    "expert_load": "parallel.load_balance",
     "from_pretrained": "pretrained",
-    "grouped_mm": "parallel.grouped_matmul",
     "install": "integrations.install",
     "load_checkpoint": "checkpoint.loading",
-    "load_summary": "parallel.load_balance",
     "named_weights": "checkpoint.streaming",
+    "routing_balance": "parallel.expert_balance",
     "save_pretrained": "checkpoint.saving",
     "stream_weights": "checkpoint.streaming",
+    "tokens_per_expert": "parallel.expert_balance",
     "tp_plan": "parallel.plans",
-    "track_expert_load": "parallel.load_balance",
     "uninstall": "integrations.install",
 }
 
 __all__ = [
+    "CheckpointError",
     "ExpertActivation",
     "ExpertParallel",
     "GroupedExperts",
+    "InputMismatchError",
+    "LoadError",
     "LoadReport",
     "LocalParams",
     "NoParallel",
     "ParallelConfig",
+    "RankError",
+    "SaveError",
+    "StreamError",
     "TensorParallel",
+    "UnsupportedLoraError",
     "apply_plan",
     "clip_grad_norm_",
     "data_parallel_rank",
-    "expert_load",
     "from_pretrained",
-    "grouped_mm",
     "install",
     "load_checkpoint",
-    "load_summary",
     "named_weights",
+    "routing_balance",
     "save_pretrained",
     "stream_weights",
+    "tokens_per_expert",
     "tp_plan",
-    "track_expert_load",
     "uninstall",
 ]
 __version__ = "0.1.0"
@@ -84,17 +94,20 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from .checkpoint.files import CheckpointError
     from .checkpoint.loading import LoadReport, load_checkpoint
-    from .checkpoint.saving import save_pretrained
-    from .checkpoint.streaming import named_weights, stream_weights
+    from .checkpoint.saving import SaveError, save_pretrained
+    from .checkpoint.streaming import StreamError, named_weights, stream_weights
     from .integrations.install import install, uninstall
+    from .integrations.lora.checks import UnsupportedLoraError
     from .parallel.config import ParallelConfig
+    from .parallel.expert_balance import routing_balance, tokens_per_expert
     from .parallel.expert_parallel import ExpertParallel
     from .parallel.experts import ExpertActivation, GroupedExperts
     from .parallel.grad_norm import clip_grad_norm_
-    from .parallel.grouped_matmul import grouped_mm
-    from .parallel.load_balance import expert_load, load_summary, track_expert_load
+    from .parallel.input_check import InputMismatchError
     from .parallel.meshes import data_parallel_rank
     from .parallel.plans import tp_plan
     from .parallel.styles import LocalParams, NoParallel, TensorParallel
-    from .pretrained import apply_plan, from_pretrained
+    from .pretrained import LoadError, apply_plan, from_pretrained
+    from .runtime.launch import RankError

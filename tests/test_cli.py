@@ -48,7 +48,7 @@ def test_inspect_reads_no_weights(deepseek, capsys):
 
     assert main(["inspect", str(deepseek), "--tp", "2"]) == 0
     out = capsys.readouterr().out
-    assert "family: deepseek_v3" in out and "adapter: generic" in out and "per-expert keys on disk" in out
+    assert "family: deepseek_v3" in out and "rules: generic" in out and "per-expert keys on disk" in out
     assert re.search(r"model\.layers\.\*\.mlp\.experts\s+TensorParallel\(\)", out)
     assert re.search(r"model\.layers\.\*\.mlp\.gate\s+NoParallel\(\)", out)
     assert re.search(r"ranks 0-1: [\d.]+ (K|M|G)iB \(0\.\d+ of the model\) \| [\d.]+ (K|M|G)iB \(0\.\d+ of the "
@@ -107,4 +107,4 @@ def test_usage_imports_no_torch():
     assert done.stdout.strip().endswith("[]"), done.stdout
     assert "usage: hf-moe-tp" in done.stdout and "invalid choice: 'bogus'" in done.stderr, done.stderr
     done = run(sys.executable, "-c", "import sys, hf_moe_tp; print('torch' in sys.modules, hf_moe_tp.__all__[:1])")
-    assert done.stdout.split() == ["False", "['ExpertActivation']"], done.stdout
+    assert done.stdout.split() == ["False", "['CheckpointError']"], done.stdout

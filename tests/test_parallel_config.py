@@ -112,16 +112,18 @@ def test_taken_on_the_layout(fields, layout):
     ParallelConfig(**fields).check_layout(layout)
 
 
-def test_changed_and_defaults():
-    """changed() names what differs from from_pretrained's defaults; the defaults are from_pretrained's."""
+def test_changed_and_one_list_of_settings():
+    """changed() names what differs from the defaults; from_pretrained takes the settings as keywords from the one
+    list, ParallelConfig's fields (its signature repeats none of them)."""
     import inspect
+
+    from hf_moe_tp.parallel.config import SETTINGS
 
     assert ParallelConfig().changed() == {}
     assert ParallelConfig(fsdp_size=2, tp_plan=None, timeout=30).changed() == {"fsdp_size": 2, "tp_plan": None,
                                                                                  "timeout": 30}
-    signature = inspect.signature(hf_moe_tp.from_pretrained).parameters
-    for field in dataclasses.fields(ParallelConfig):
-        assert signature[field.name].default == field.default, field.name
+    assert SETTINGS == {field.name for field in dataclasses.fields(ParallelConfig)}
+    assert not SETTINGS & set(inspect.signature(hf_moe_tp.from_pretrained).parameters)
 
 
 # ---- DistributedConfig, ParallelismConfig ------------------------------------------------------------------------
@@ -215,8 +217,8 @@ def test_install_merges_the_call_keywords(unknown_world):
 def test_resolve_arguments():
     assert pretrained.resolve_arguments(None, {}, fsdp_size=2) == ParallelConfig(fsdp_size=2)
     config = ParallelConfig(ep_size=2)
-    assert pretrained.resolve_arguments(config, {}, **pretrained.PARALLEL_DEFAULTS) is config
-    with pytest.raises(ValueError, match=r"parallel_config=\.\.\. with fsdp_size=2, loss_parallel=True"):
+    assert pretrained.resolve_arguments(config, {}) is config
+    with pytest.raises(ValueError, match=r"parallel_config=\.\.\. with fsdp_size=2, loss_parallel=True, timeout=None"):
         pretrained.resolve_arguments(config, {}, fsdp_size=2, loss_parallel=True, timeout=None)
     with pytest.raises(ValueError, match="parallel_config must be a hf_moe_tp.ParallelConfig, got dict"):
         pretrained.resolve_arguments({"fsdp_size": 2}, {})

@@ -9,7 +9,7 @@ from families import configs
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hf_moe_tp.parallel import plans
-from hf_moe_tp.parallel.linear import ColumnParallel
+from hf_moe_tp.parallel.linear import LocalColwiseParallel
 from model_patches import meta_model
 
 
@@ -42,20 +42,20 @@ def fake_ranks():
 
 def test_loss_parallel_plan_is_what_from_pretrained_applies(fake_ranks):
     """``tp_plan(model, loss_parallel=True)`` through ``apply_plan`` installs what ``from_pretrained(loss_parallel=
-    True)`` does (its plan is the same call): a gathering ColumnParallel head that keeps the logits split in
+    True)`` does (its plan is the same call): a gathering LocalColwiseParallel head that keeps the logits split in
     training, and the split loss. Before, the plan route swapped in torch's ``ColwiseParallel(use_local_output=
     False)``, which the split loss did not recognise: logits always split, the loss left to the caller."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hf_moe_tp.parallel.linear import ColumnParallel
+    from hf_moe_tp.parallel.linear import LocalColwiseParallel
 
     mesh = init_device_mesh("cpu", (2,))
     for loss_parallel in (False, True):
         model = meta_model(configs()["qwen3_moe"])
         plan = plans.tp_plan(model, 2, loss_parallel=loss_parallel)
         head = plan["lm_head"]
-        assert type(head) is ColumnParallel and head.keep_split_in_training == loss_parallel
-        plans.apply_plan(model, mesh, plan)
+        assert type(head) is LocalColwiseParallel and head.keep_split_in_training == loss_parallel
+        plans.parallelize(model, mesh, plan)
         assert model.hf_moe_tp.split_loss  # the loss from split logits either way; loss_parallel keeps them split
 
 
@@ -81,7 +81,8 @@ def test_ep_size_beside_a_dict_plan(fake_ranks):
     assert set(plan) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
     assert all(isinstance(s, ExpertParallel) for s in plan.values())
     plan = pretrained.make_plan(model, ParallelConfig(tp_plan={"lm_head": "colwise"}, ep_size=2), layout)
-    assert isinstance(plan["lm_head"], ColumnParallel) and "model.layers.0.self_attn.q_proj" in plan  # the model's
+    assert isinstance(plan["lm_head"], LocalColwiseParallel)
+    assert "model.layers.0.self_attn.q_proj" in plan  # the model's
     assert all(isinstance(plan[f"model.layers.{i}.mlp.experts"], ExpertParallel) for i in (0, 1))
     tensor_parallel = ParallelConfig(tp_plan={"model.layers.*.mlp.experts": TensorParallel()}, ep_size=2)
     with pytest.raises(ValueError, match=r"ep_size=2 with tp_plan giving model\.layers\.0\.mlp\.experts"):
@@ -103,7 +104,7 @@ def test_dict_plan_overrides_the_models_plan(fake_ranks):
             "lm_head": None, "model.layers.0.mlp.experts.gate_up_proj": "grouped_gemm"}
     plan = pretrained.make_plan(model, ParallelConfig(tp_plan=unit), layout)
     assert set(plan) == set(auto) - {"lm_head"}
-    assert isinstance(plan["model.layers.0.self_attn.q_proj"], ColumnParallel)
+    assert isinstance(plan["model.layers.0.self_attn.q_proj"], LocalColwiseParallel)
     assert isinstance(plan["model.layers.0.mlp.experts"], ExpertParallel)
     assert isinstance(plan["model.layers.1.mlp.experts"], TensorParallel)
 
@@ -114,8 +115,8 @@ def test_dict_plan_overrides_the_models_plan(fake_ranks):
     plan = pretrained.make_plan(one_head, ParallelConfig(tp_plan=unit), layout)
     assert not any("self_attn" in n for n in plan)  # replicated: heads do not divide by 2
     with pytest.raises(ValueError, match=r"tp_plan entry 'model\.layers\.\*\.self_attn\.q_proj'.*do not divide"):
-        pretrained.make_plan(one_head, ParallelConfig(tp_plan={"model.layers.*.self_attn.q_proj": ColumnParallel()}),
-                             layout)
+        entry = {"model.layers.*.self_attn.q_proj": LocalColwiseParallel()}
+        pretrained.make_plan(one_head, ParallelConfig(tp_plan=entry), layout)
     with pytest.raises(ValueError, match=r"tp_plan entry 'layers\.\*\.self_attn\.q_proj': 'colwise' names no module"):
         pretrained.make_plan(model, ParallelConfig(tp_plan={"layers.*.self_attn.q_proj": "colwise"}), layout)
 

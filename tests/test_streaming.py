@@ -272,5 +272,5 @@ def test_a_failure_raises_on_every_rank(ranks, tmp_path):
     results = ranks(2).run(_failing, str(save_family("mixtral", tmp_path)))
     third = results[0]["third"]
     for r in results:
-        assert r["raised"] == f"streaming the weights failed at {third}: MemoryError: no room", r
+        assert r["raised"] == f"streaming the weights failed on rank 0: at {third}: MemoryError: no room", r
     assert len(results[0]["got"]) == 2  # the failing rank stops yielding at once; the others finish, then raise

@@ -289,17 +289,17 @@ def _linear_pair(gather: bool):
     unsharded: output, input and weight gradients; and the collectives the forward calls."""
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    from hf_moe_tp.parallel.linear import ColumnParallel, RowParallel
+    from hf_moe_tp.parallel.linear import LocalColwiseParallel, LocalRowwiseParallel
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     if gather:  # transformers' colwise_gather_output (an lm_head): the output whole on every rank
         m = torch.nn.Sequential(torch.nn.Linear(DIM, 4 * world, bias=True))
-        plan = {"0": ColumnParallel(output_layouts=Replicate())}
+        plan = {"0": LocalColwiseParallel(output_layouts=Replicate())}
     else:
         m = torch.nn.Sequential(torch.nn.Linear(DIM, 4 * world), torch.nn.Linear(4 * world, DIM))
-        plan = {"0": ColumnParallel(), "1": RowParallel()}
+        plan = {"0": LocalColwiseParallel(), "1": LocalRowwiseParallel()}
     ref = copy.deepcopy(m)
     parallelize_module(m, mesh, plan)
     x = torch.randn(5, 3, DIM, generator=torch.Generator().manual_seed(1))
@@ -320,8 +320,8 @@ def _linear_pair(gather: bool):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("gather", [False, True], ids=["column_row", "column_gathered"])
 def test_local_column_and_row_parallel(ranks, world, gather):
-    """ColumnParallel / RowParallel (torch's styles computed on local tensors, communication explicit) equal the
-    unsharded layers in output, input gradient and parameter gradients, with torch's placements."""
+    """LocalColwiseParallel / LocalRowwiseParallel (torch's styles computed on local tensors, communication explicit)
+    equal the unsharded layers in output, input gradient and parameter gradients, with torch's placements."""
     for r in ranks(world).run(_linear_pair, gather):
         assert r["is_torch_style"] and r["plain"], r
         assert r["output"] <= FP32_TOL and r["input_grad"] <= FP32_TOL and max(r["grads"].values()) <= FP32_TOL, r

@@ -82,8 +82,8 @@ def test_inspect_shows_the_tower(llama4_vl, capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert "tower vision_model (Llama4VisionModel): 7 module pattern(s) split, 7 replicated" in lines, out
-    assert "  split       model.layers.*.self_attn.q_proj  ColumnParallel()" in lines
-    assert "  split       patch_embedding.linear  ColumnParallel(out=(Replicate(),))" in lines
+    assert "  split       model.layers.*.self_attn.q_proj  LocalColwiseParallel()" in lines
+    assert "  split       patch_embedding.linear  LocalColwiseParallel(out=(Replicate(),))" in lines
     assert "  replicated  model.layers.*.mlp.fc1" in lines
     assert "  replicated  (its own class_embedding, positional_embedding_vlm)" in lines
     assert any(line.startswith("tower multi_modal_projector (") for line in lines)

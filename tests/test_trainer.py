@@ -215,7 +215,7 @@ def test_shims_still_needed(mixtral, tmp_path):
     hf_moe_tp.install()  # switches the shims on (import hf_moe_tp alone does not)
     try:
         with pytest.raises(ValueError, match="MULTI_CPU"):
-            ParallelismConfig._validate_accelerator._hf_moe_tp_original(ParallelismConfig(tp_size=2), on_cpu)
+            ParallelismConfig._validate_accelerator.__wrapped__(ParallelismConfig(tp_size=2), on_cpu)  # the original
         ParallelismConfig._validate_accelerator(ParallelismConfig(tp_size=2), on_cpu)  # the shim lets it through
 
         model = AutoModelForCausalLM.from_pretrained(mixtral)
@@ -340,7 +340,8 @@ from hf_moe_tp.cli.demo import demo_checkpoint
 model = hf_moe_tp.from_pretrained(demo_checkpoint())
 loaded = "transformers.trainer" in sys.modules
 from transformers import Trainer
-print(loaded, hasattr(Trainer.__init__, "_hf_moe_tp_original"), hasattr(Trainer.evaluation_loop, "_hf_moe_tp_original"))
+from hf_moe_tp.runtime.changes import made
+print(loaded, "Trainer.__init__" in made("integrations"), "Trainer.evaluation_loop" in made("integrations"))
 '''
 
 

@@ -51,7 +51,7 @@ def save_distributed(model: nn.Module, out_dir: str | os.PathLike) -> SaveReport
     writer = rank() == 0
     tmp, error = start_save(model, out, writer)
     try:
-        agree_saved(error, f"cannot save to {out}")
+        agree_saved(error, f"saving to {out}")
         where = [str(tmp)]
         if dist.is_initialized():
             dist.broadcast_object_list(where, src=0)
@@ -61,7 +61,7 @@ def save_distributed(model: nn.Module, out_dir: str | os.PathLike) -> SaveReport
                                                                     enable_consolidation=False))
         except Exception as e:
             error = e
-        agree_saved(error, f"cannot write the distributed checkpoint to {out}")
+        agree_saved(error, f"writing the distributed checkpoint to {out}")
         files = []
         if writer:
             try:
@@ -71,7 +71,7 @@ def save_distributed(model: nn.Module, out_dir: str | os.PathLike) -> SaveReport
                 remove_weight_files(out, keep=set(files))
             except Exception as e:
                 error = e
-        agree_saved(error, f"cannot finish the save to {out}")
+        agree_saved(error, f"finishing the save to {out}")
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

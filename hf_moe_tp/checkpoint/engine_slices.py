@@ -41,9 +41,9 @@ def engine_placements(model: nn.Module, size: int) -> dict[str, Placement]:
         style = plan.get(name)
         if isinstance(style, TensorParallel) and isinstance(module, GroupedExperts):
             found = {} if unsplittable(module, size) else expert_placements(module)
-        elif isinstance(style, ColwiseParallel):  # ours (ColumnParallel) and torch's; an embedding's by features
+        elif isinstance(style, ColwiseParallel):  # ours (LocalColwiseParallel) and torch's; an embedding's by features
             found = {"weight": Shard(1)} if isinstance(module, nn.Embedding) else {"weight": Shard(0), "bias": Shard(0)}
-        elif isinstance(style, RowwiseParallel):  # ours (RowParallel) and torch's; an embedding's by rows
+        elif isinstance(style, RowwiseParallel):  # ours (LocalRowwiseParallel) and torch's; an embedding's by rows
             found = {"weight": Shard(0) if isinstance(module, nn.Embedding) else Shard(1)}
         elif isinstance(style, VocabParallelEmbedding):
             found = {"weight": Shard(0)}

@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from ..parallel.boxes import shard_dim
 from ..parallel.experts import GroupedExperts
-from ..parallel.linear import ColumnParallel, RowParallel
+from ..parallel.linear import LocalColwiseParallel, LocalRowwiseParallel
 from ..parallel.plans import _style_for
 from ..parallel.styles import LocalParams, NoParallel, distribute
 from .conversions import model_keys, parameter_sources
@@ -87,8 +87,8 @@ class KeptFp8:
 
 class Fp8Linear(KeptFp8, nn.Linear):
     """An ``nn.Linear`` whose ``weight`` (out, in) is kept FP8 with its scales in ``weight_scale``; the forward
-    dequantizes this rank's part of it. Runs under :class:`~hf_moe_tp.parallel.linear.ColumnParallel` /
-    :class:`~hf_moe_tp.parallel.linear.RowParallel` computing on local tensors, or replicated."""
+    dequantizes this rank's part of it. Runs under :class:`~hf_moe_tp.parallel.linear.LocalColwiseParallel` /
+    :class:`~hf_moe_tp.parallel.linear.LocalRowwiseParallel` computing on local tensors, or replicated."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype, scales: BlockScales, scale_dtype: torch.dtype,
                  name: str) -> None:
@@ -101,8 +101,8 @@ class Fp8Linear(KeptFp8, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, DTensor):
             raise NotImplementedError(f"{self.qualified_name}: an FP8 linear kept quantized runs on local tensors "
-                                      "(ColumnParallel, RowParallel or replicated), not under a style computing on "
-                                      "DTensors")
+                                      "(LocalColwiseParallel, LocalRowwiseParallel or replicated), not under a style "
+                                      "computing on DTensors")
         return F.linear(x, self.dequantized("weight"), self.bias)
 
     def extra_repr(self) -> str:
@@ -199,7 +199,8 @@ def keep_fp8_weights(model: nn.Module, path: str | Path, plan: dict[str, Paralle
             style = _style_for(owner, plan)
             if not _local_compute(style, module):
                 raise ValueError(f"keep_quantized=True: FP8 linear {owner} is planned as {style!r}, which computes on "
-                                 "DTensors; FP8 linears run under ColumnParallel / RowParallel or replicated")
+                                 "DTensors; FP8 linears run under LocalColwiseParallel / LocalRowwiseParallel or "
+                                 "replicated")
             dtype, scales, scale_dtype = _kept(owner, "weight", weights["weight"], 0 if isinstance(
                 style, RowwiseParallel) else 1, quant.block)
             model.set_submodule(owner, Fp8Linear(module, dtype, scales, scale_dtype, owner))
@@ -237,7 +238,7 @@ def _local_compute(style: ParallelStyle | None, module: nn.Module) -> bool:
     """Whether ``style`` runs ``module`` on local tensors (an FP8 linear needs it)."""
     if style is None or isinstance(style, LocalParams | NoParallel):
         return True
-    return isinstance(style, ColumnParallel | RowParallel) and style.computes_locally(module)
+    return isinstance(style, LocalColwiseParallel | LocalRowwiseParallel) and style.computes_locally(module)
 
 
 def place_scales(model: nn.Module) -> None:

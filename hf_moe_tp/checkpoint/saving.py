@@ -50,7 +50,7 @@ from transformers.modeling_utils import remove_tied_weights_from_state_dict
 from .._compat import MODEL_IGNORE_ON_SAVE, MODEL_WEIGHT_CONVERSIONS, from_config
 from ..parallel.boxes import pieces, shard_dim
 from ..parallel.experts import GroupedExperts
-from ..runtime.agreement import agree, describe, rank
+from ..runtime.agreement import RanksFailed, agree, rank
 from .conversions import model_keys, parameter_sources
 from .files import DCP_FILE, INDEX_FILE, SINGLE_FILE, ST_DTYPES
 from .quantized import SCALE_SUFFIX, kept_scales, scale_sources
@@ -62,7 +62,7 @@ _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _ST_ORDER = {name: i for i, name in enumerate(ST_DTYPES.values())}
 
 
-class SaveError(RuntimeError):
+class SaveError(RanksFailed):
     """A save that failed; raised on every rank with the same message (naming the path or key at fault)."""
 
 
@@ -113,13 +113,13 @@ def save_pretrained(
     installed: list[Path] = []
     tmp, error = start_save(model, out, writer)
     try:
-        agree_saved(error, f"cannot save to {out}")
+        agree_saved(error, f"saving to {out}")
         show = progress if progress is not None else writer
         with torch.no_grad(), tqdm(total=len(entries), desc=f"saving {out.name}", unit="tensor",
                                    disable=not show) as bar:
             for filename, keys in split.filename_to_tensors.items():
                 error = _write_file(entries, keys, tmp / filename if writer else None, writer, bar)
-                agree_saved(error, f"cannot write {out / filename}")
+                agree_saved(error, f"writing {out / filename}")
         if writer:
             try:
                 if split.is_sharded:
@@ -135,7 +135,7 @@ def save_pretrained(
                 remove_weight_files(out, set(names))
             except Exception as e:
                 error = e
-        agree_saved(error, f"cannot finish the save to {out}")
+        agree_saved(error, f"finishing the save to {out}")
     except BaseException:
         if writer:  # a failed save leaves nothing under a final name
             for path in installed:
@@ -569,7 +569,7 @@ def remove_weight_files(out: Path, keep: set[str]) -> None:
 
 def agree_saved(error: BaseException | None, what: str) -> None:
     """Raise :class:`SaveError` on every rank if any rank (the writing one) failed: ``what`` and each failure."""
-    agree(error, lambda failed: SaveError(f"{what}: {describe(failed)}"))
+    agree(error, SaveError, what)
 
 
 def _can_generate(model: nn.Module) -> bool:

@@ -26,13 +26,13 @@ from torch import nn
 
 from .._compat import root_mesh
 from ..parallel.model_state import placed
-from ..runtime.agreement import agree, describe, rank
+from ..runtime.agreement import RanksFailed, agree, rank
 from .engine_slices import engine_placements, slice_of
 from .quantized import SCALE_SUFFIX, fp8_to_float32, quantization_of, scale_values
 from .saving import _assemble, _plan, _wire
 
 
-class StreamError(RuntimeError):
+class StreamError(RanksFailed):
     """A stream that failed; raised on every rank of the model with the same message."""
 
 
@@ -94,8 +94,7 @@ def named_weights(model: nn.Module, *, to: int | str = "all", dequantize: torch.
                 yield key, tensor
             del assembled, tensor
     failure = None if error is None else StreamError(f"at {error[0]}: {type(error[1]).__name__}: {error[1]}")
-    agree(failure, lambda failed: StreamError("streaming the weights failed " + describe(
-        {rank: message.removeprefix(f"{StreamError.__name__}: ") for rank, message in failed.items()})))
+    agree(failure, StreamError, "streaming the weights")
 
 
 def stream_weights(model: nn.Module, consume: Callable[[list[tuple[str, torch.Tensor]]], Any], *,

@@ -41,7 +41,7 @@ from ..pretrained import apply_plan
 class Inspection:
     family: str
     model_class: str
-    adapter: str
+    family_rules: str  # "generic", or the family whose own rules in model_patches built it
     expert_modules: int
     expert_format: str
     plan: dict[str, str]
@@ -81,9 +81,9 @@ class TowerLayout:
 
 def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | None = None,
                        dp_replicate: int = 1) -> Inspection:
-    """Family, adapter, resolved plan and per-rank bytes of ``path`` (a checkpoint folder, or a config alone: a
-    folder with ``config.json`` or the file itself) at TP ``tp`` x FSDP ``fsdp`` x ``dp_replicate`` (``ep``:
-    expert parallelism as :func:`hf_moe_tp.from_pretrained` takes it). Reads headers only."""
+    """Family, its rules (model_patches), resolved plan and per-rank bytes of ``path`` (a checkpoint folder, or a config
+    alone: a folder with ``config.json`` or the file itself) at TP ``tp`` x FSDP ``fsdp`` x ``dp_replicate``
+    (``ep``: expert parallelism as :func:`hf_moe_tp.from_pretrained` takes it). Reads headers only."""
     if dist.is_initialized():
         raise RuntimeError("inspect runs outside a process group (it starts a fake one of the requested size)")
     path = Path(path)
@@ -127,7 +127,7 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
     return Inspection(
         family=config.model_type,
         model_class=type(model).__name__,
-        adapter=model.hf_moe_tp.family.name,
+        family_rules=model.hf_moe_tp.family.name,
         expert_modules=len(experts),
         expert_format=("per-expert keys" if per_expert else "packed 3-D tensors") + " on disk" if weights
         else "config alone",
@@ -245,7 +245,7 @@ def style_label(style) -> str:
 def print_inspection(report: Inspection) -> None:
     """The report as ``hf-moe-tp inspect`` prints it: ranks with the same figures on one line."""
     layout = " x ".join(f"{name} {size}" for name, size in report.layout.items())
-    print(f"family: {report.family}   class: {report.model_class}   adapter: {report.adapter}   "
+    print(f"family: {report.family}   class: {report.model_class}   rules: {report.family_rules}   "
           f"expert modules: {report.expert_modules} ({report.expert_format})")
     print(f"plan at {layout} ({len(report.rank_bytes)} ranks):")
     width = max(len(k) for k in report.plan) if report.plan else 0

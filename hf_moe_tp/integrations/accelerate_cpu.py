@@ -5,7 +5,7 @@ leaves out ``MULTI_CPU``), though on CPU processes its device mesh, its dataload
 group, different ones to the data-parallel ranks) and ``prepare`` of an already sharded model work (tested).
 So ``Accelerator(parallelism_config=...)``, ``accelerate launch`` with a parallelism config and the Trainer
 could not run hf_moe_tp models on CPU at all. :func:`allow_on_cpu`, switched on with the other integrations
-(:mod:`hf_moe_tp.integrations.switch`: the first load, ``install()``; :func:`restore_on_cpu` undoes it), answers that
+(:mod:`hf_moe_tp.integrations.switch`: the first load, ``install()``; undone with them), answers that
 one check as for accelerator processes and changes nothing else; ``tests/test_trainer.py`` fails
 once accelerate stops refusing, and the shim can go.
 """
@@ -16,16 +16,16 @@ import functools
 from typing import Any
 
 from .._compat import ACCELERATE_VALIDATE
+from ..runtime import changes
+from .switch import GROUP
 
 
 def allow_on_cpu() -> None:
-    """Let ``ParallelismConfig`` validate on ``MULTI_CPU`` accelerators (idempotent)."""
+    """Let ``ParallelismConfig`` validate on ``MULTI_CPU`` accelerators (once, by :func:`.switch.enable`)."""
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DistributedType
 
     validate = getattr(ParallelismConfig, ACCELERATE_VALIDATE)
-    if hasattr(validate, "_hf_moe_tp_original"):
-        return
 
     class OnCpu:  # the accelerator as the check sees it: CPU processes count as devices
         def __init__(self, accelerator: Any) -> None:
@@ -42,14 +42,4 @@ def allow_on_cpu() -> None:
     def validate_on_cpu(self, accelerator: Any) -> Any:
         return validate(self, OnCpu(accelerator))
 
-    validate_on_cpu._hf_moe_tp_original = validate
-    setattr(ParallelismConfig, ACCELERATE_VALIDATE, validate_on_cpu)
-
-
-def restore_on_cpu() -> None:
-    """Put accelerate's own check back (idempotent)."""
-    from accelerate.parallelism_config import ParallelismConfig
-
-    original = getattr(getattr(ParallelismConfig, ACCELERATE_VALIDATE), "_hf_moe_tp_original", None)
-    if original is not None:
-        setattr(ParallelismConfig, ACCELERATE_VALIDATE, original)
+    changes.replace(GROUP, ParallelismConfig, ACCELERATE_VALIDATE, validate_on_cpu)

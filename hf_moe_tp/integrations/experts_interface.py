@@ -20,6 +20,7 @@ from torch import nn
 from .._compat import EXPERTS_APPLY_GATE
 from ..parallel.experts import combine, route
 from ..parallel.grouped_matmul import grouped_mm
+from ..runtime import changes
 
 NAME = "grouped_mm"
 _original: list[Callable] = []  # transformers' function while ours is registered
@@ -50,18 +51,12 @@ def _linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, exp
     return out if bias is None else out + bias[expert_of_row].to(out.dtype)
 
 
-def register() -> None:
-    """Make transformers' ``"grouped_mm"`` experts :func:`grouped_mm_experts` (idempotent)."""
+def register(group: str) -> None:
+    """Make transformers' ``"grouped_mm"`` experts :func:`grouped_mm_experts`, until
+    :func:`hf_moe_tp.runtime.changes.undo` of ``group`` puts transformers' own back."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    if not _original:
-        _original.append(ALL_EXPERTS_FUNCTIONS[NAME])
-        ALL_EXPERTS_FUNCTIONS.register(NAME, grouped_mm_experts)
-
-
-def unregister() -> None:
-    """Put transformers' own ``"grouped_mm"`` experts back (idempotent)."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    if _original:
-        ALL_EXPERTS_FUNCTIONS.register(NAME, _original.pop())
+    _original.append(ALL_EXPERTS_FUNCTIONS[NAME])
+    ALL_EXPERTS_FUNCTIONS.register(NAME, grouped_mm_experts)
+    changes.on_undo(group, "transformers' grouped_mm experts",
+                    lambda: ALL_EXPERTS_FUNCTIONS.register(NAME, _original.pop()))

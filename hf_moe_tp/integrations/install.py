@@ -24,12 +24,14 @@ from transformers import PreTrainedModel
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
 from .._compat import unregister_parallel_style
-from ..parallel.config import ParallelConfig
+from ..parallel.config import SETTINGS, ParallelConfig
 from ..parallel.plans import STYLE_NAMES
+from ..runtime import changes
 from . import experts_interface
 from .hf_arguments import HUB_OPTIONS
+from .switch import disable, enable
 
-_original = None  # PreTrainedModel.from_pretrained's function while installed
+GROUP = "install"  # the changes install() makes (hf_moe_tp.runtime.changes)
 
 # Config attributes that give an MoE model's expert count, across families.
 EXPERT_COUNT_ATTRIBUTES = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -37,37 +39,27 @@ EXPERT_COUNT_ATTRIBUTES = ("num_local_experts", "num_experts", "n_routed_experts
 
 def install() -> None:
     """Route transformers' tensor-parallel ``from_pretrained`` of MoE models through hf_moe_tp (idempotent)."""
-    global _original
-    from .switch import enable
-
     enable()  # accelerate on CPU, PEFT, the Trainer (hf_moe_tp.integrations.switch)
-    if _original is not None:
+    if installed():
         return
-    experts_interface.register()  # transformers' own experts: grouped matmul with a loop where torch refuses
-    _original = PreTrainedModel.from_pretrained.__func__
-    PreTrainedModel.from_pretrained = classmethod(_wrap(_original))
+    experts_interface.register(GROUP)  # transformers' own experts: grouped matmul with a loop where torch refuses
+    changes.replace(GROUP, PreTrainedModel, "from_pretrained",
+                    classmethod(_wrap(PreTrainedModel.from_pretrained.__func__)))
     for name in STYLE_NAMES:
         ALL_PARALLEL_STYLES.register(name, _AppliedByHfMoeTp(name))
+        changes.on_undo(GROUP, f"transformers' parallel style {name!r}",
+                        lambda name=name: unregister_parallel_style(name))
 
 
 def uninstall() -> None:
     """Undo :func:`install` and every other change hf_moe_tp made to other libraries (idempotent)."""
-    global _original
-    from .switch import disable
-
+    changes.undo(GROUP)
     disable()
-    if _original is None:
-        return
-    experts_interface.unregister()
-    PreTrainedModel.from_pretrained = classmethod(_original)
-    _original = None
-    for name in STYLE_NAMES:
-        unregister_parallel_style(name)
 
 
 def installed() -> bool:
     """Whether :func:`install` is in effect."""
-    return _original is not None
+    return bool(changes.made(GROUP))
 
 
 def _wrap(original):
@@ -118,7 +110,7 @@ def parallel_config(distributed_config: Any, plan: Any, rest: dict[str, Any]) ->
     base = ParallelConfig()
     if distributed_config is not None:
         base = ParallelConfig.from_distributed_config(distributed_config)
-    own = {f.name: rest.pop(f.name) for f in dataclasses.fields(ParallelConfig) if f.name in rest}
+    own = {k: rest.pop(k) for k in list(rest) if k in SETTINGS}
     both = sorted(own.keys() & base.changed().keys())
     if both:
         raise ValueError(f"{', '.join(both)} set both by the distributed_config and as keyword arguments: set each "

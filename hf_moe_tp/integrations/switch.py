@@ -1,4 +1,4 @@
-"""What hf_moe_tp changes in other libraries, and the switch for it: nothing until asked.
+"""What hf_moe_tp changes in other libraries for its models, and the switch for it: nothing until asked.
 
 ``import hf_moe_tp`` changes no other library. The first :func:`hf_moe_tp.from_pretrained`, the first
 :func:`hf_moe_tp.apply_plan` and :func:`hf_moe_tp.install` switch on, once per process:
@@ -8,44 +8,36 @@
 - transformers' ``Trainer``: seven methods mended for our models, each calling the original for any other
   (:mod:`hf_moe_tp.integrations.trainer`).
 
-:func:`hf_moe_tp.uninstall` (or :func:`disable`) puts every one of them back as it was.
+Each is made through :mod:`hf_moe_tp.runtime.changes` (group ``"integrations"``), and :func:`disable` (or
+:func:`hf_moe_tp.uninstall`) takes them all back.
 """
 
 from __future__ import annotations
 
-_enabled = False
+from ..runtime import changes
+
+GROUP = "integrations"
 
 
 def enable() -> None:
     """Switch on the integrations above (idempotent)."""
-    global _enabled
-    if _enabled:
+    if enabled():
         return
     from .accelerate_cpu import allow_on_cpu
     from .lora import watch_peft
     from .trainer import patch_trainer
 
+    changes.on_undo(GROUP, "switched on", lambda: None)  # first: enabled() from here on
     allow_on_cpu()
     watch_peft()
     patch_trainer()
-    _enabled = True
 
 
 def disable() -> None:
     """Undo :func:`enable`: accelerate's check, the PEFT hook and the Trainer's methods as they were (idempotent)."""
-    global _enabled
-    if not _enabled:
-        return
-    from .accelerate_cpu import restore_on_cpu
-    from .lora import unwatch_peft
-    from .trainer import unpatch_trainer
-
-    restore_on_cpu()
-    unwatch_peft()
-    unpatch_trainer()
-    _enabled = False
+    changes.undo(GROUP)
 
 
 def enabled() -> bool:
     """Whether the integrations are switched on."""
-    return _enabled
+    return bool(changes.made(GROUP))

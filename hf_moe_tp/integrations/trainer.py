@@ -19,8 +19,8 @@ What the Trainer gets wrong for such models is mended here, for hf_moe_tp models
 - Predictions: accelerate's ``gather_for_metrics`` takes every rank's copy of a batch, so a TP group would
   return each row tp times; the Trainer's evaluation loop gathers one copy per TP group instead.
 - A layout whose data-parallel ranks would not average their gradients under the Trainer is refused.
-- Expert load: a callback first in the Trainer's list adds the MoE layers' balance to every training log
-  (:func:`expert_load_callback`), so TensorBoard and the other ``report_to`` loggers show it.
+- Tokens per expert: a callback first in the Trainer's list adds the MoE layers' balance to every training log
+  (:func:`routing_callback`), so TensorBoard and the other ``report_to`` loggers show it.
 - The balancing loss: the Trainer multiplies the loss by its replica count (for its token-normalised
   cross-entropy); the router balancing term enters the model's loss divided by it inside ``compute_loss``
   (:mod:`hf_moe_tp.parallel.balancing_loss`), so it counts once.
@@ -55,15 +55,15 @@ from .._compat import (
     TRAINER_SAVE_OPTIMIZER,
 )
 from ..parallel.balancing_loss import trainer_loss_scale
-from ..parallel.load_balance import STATE as EXPERT_LOAD_STATE
-from ..parallel.load_balance import expert_load, load_summary
+from ..parallel.expert_balance import STATE as TOKEN_COUNTS
+from ..parallel.expert_balance import routing_balance, tokens_per_expert
 from ..parallel.loss import loss_only
 from ..parallel.model_state import placed
+from ..runtime import changes
+from .switch import GROUP
 
 TRAINER_MODULE = "transformers.trainer"
 STATE_DIR = "hf_moe_tp_state"  # the DCP checkpoint inside a Trainer checkpoint folder
-
-_installed = False
 
 
 def is_hf_moe_tp_model(model: Any) -> bool:
@@ -123,33 +123,17 @@ def _state_folder(checkpoint: str | os.PathLike) -> str:
 
 
 def patch_trainer() -> None:
-    """Patch the Trainer's methods (module docstring) once: now if ``transformers.trainer`` is imported, else as
-    soon as it is. Importing it here would cost every load about a second (it pulls in PEFT, datasets and pandas
-    where installed) for a Trainer most loads never build. Switched on with the other integrations
-    (:mod:`hf_moe_tp.integrations.switch`)."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
+    """Patch the Trainer's methods (module docstring): now if ``transformers.trainer`` is imported, else as soon as
+    it is. Importing it here would cost every load about a second (it pulls in PEFT, datasets and pandas where
+    installed) for a Trainer most loads never build. Once, by :func:`hf_moe_tp.integrations.switch.enable`, whose
+    undo takes back the methods (:mod:`hf_moe_tp.runtime.changes`) and an import hook still waiting."""
     if TRAINER_MODULE in sys.modules:
         _patch_trainer()
-    else:
-        sys.meta_path.insert(0, _AfterImport(TRAINER_MODULE, _patch_trainer))
-
-
-def unpatch_trainer() -> None:
-    """The Trainer's own methods back, and no patch pending on its import (idempotent)."""
-    global _installed
-    _installed = False
-    for finder in [f for f in sys.meta_path if isinstance(f, _AfterImport)]:
-        sys.meta_path.remove(finder)
-    if TRAINER_MODULE in sys.modules:
-        from transformers import Trainer
-
-        for name, method in list(vars(Trainer).items()):
-            original = getattr(method, "_hf_moe_tp_original", None)
-            if original is not None:
-                setattr(Trainer, name, original)
+        return
+    finder = _AfterImport(TRAINER_MODULE, _patch_trainer)
+    sys.meta_path.insert(0, finder)
+    changes.on_undo(GROUP, "an import hook for transformers.trainer",
+                    lambda: sys.meta_path.remove(finder) if finder in sys.meta_path else None)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -187,8 +171,7 @@ def _patch_trainer() -> None:
                 return ours(self, original, *args, **kwargs)
             return original(self, *args, **kwargs)
 
-        method._hf_moe_tp_original = original
-        setattr(Trainer, name, method)
+        changes.replace(GROUP, Trainer, name, method)
 
     def init(trainer: Any, original, model: nn.Module, args: Any = None, *rest: Any, **kwargs: Any) -> None:
         check_gradient_reduction(model)
@@ -207,8 +190,8 @@ def _patch_trainer() -> None:
                              f"which is sharded already: leave it unset; FSDP2 comes with from_pretrained(fsdp_size=)")
         trainer._hf_moe_tp_gather = _gather_once_per_tp_group(trainer, model)
         reference_like_policy(args, model)
-        if any(hasattr(m, EXPERT_LOAD_STATE) for m in model.modules()):  # first: the loggers see what it adds
-            trainer.callback_handler.callbacks.insert(0, expert_load_callback()())
+        if any(hasattr(m, TOKEN_COUNTS) for m in model.modules()):  # first: the loggers see what it adds
+            trainer.callback_handler.callbacks.insert(0, routing_callback()())
 
     patch("__init__", init, model_of=lambda self, model=None, *args, **kwargs: model)
     patch(TRAINER_SAVE_OPTIMIZER, _save_optimizer_and_scheduler)
@@ -238,14 +221,14 @@ def reference_like_policy(args: Any, model: nn.Module) -> None:
 
 
 @functools.cache
-def expert_load_callback() -> type:
+def routing_callback() -> type:
     """The ``TrainerCallback`` class the Trainer gets first for hf_moe_tp MoE models (made on first use: importing
     transformers' callbacks costs half a second)."""
     from transformers import TrainerCallback
 
     class ExpertLoadCallback(TrainerCallback):
         """Adds the MoE layers' balance over the tokens routed since the last training log
-        (:func:`hf_moe_tp.load_summary`, the worst layer's: ``moe/max_over_mean``, ``moe/idle_fraction``,
+        (:func:`hf_moe_tp.routing_balance`, the worst layer's: ``moe/max_over_mean``, ``moe/idle_fraction``,
         ``moe/cv``) to each training log, before the ``report_to`` loggers write it. Every rank reads the counts
         (one all-reduce), as every rank runs the Trainer's logging step."""
 
@@ -253,7 +236,7 @@ def expert_load_callback() -> type:
                    **kwargs: Any) -> None:
             if logs is None or "loss" not in logs or model is None:
                 return
-            summary = load_summary(expert_load(model, reset=True))
+            summary = routing_balance(tokens_per_expert(model, reset=True))
             metrics = {f"moe/{name}": round(value, 4) for name, value in summary.items()}
             logs.update(metrics)
             if state.log_history and state.log_history[-1].get("loss") == logs["loss"]:

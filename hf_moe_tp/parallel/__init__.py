@@ -1,6 +1,6 @@
 """Models on DTensors: GroupedExperts and the grouped matmul, the parallel styles (tensor, expert and local
 parameters), the plans that give each module its style, meshes, FSDP2, vocabulary-parallel loss, replicated
-randomness, the multimodal towers, expert-load counters and the input check.
+randomness, the multimodal towers, tokens-per-expert counters and the input check.
 
 Layering (runtime < parallel < checkpoint < model_patches < integrations < cli; ``hf_moe_tp.pretrained`` above
 integrations): it may import :mod:`hf_moe_tp.runtime` and :mod:`hf_moe_tp._compat`, never ``checkpoint``,

@@ -21,9 +21,9 @@ import torch
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from .._compat import DCP_HOOKS, is_strided_shard
+from ..runtime import changes
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dim
-_PATCHED = "_hf_moe_tp_checkpoint_pieces"
 
 
 def chunk(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -115,8 +115,9 @@ def checkpoint_pieces() -> None:
     the wrong rows into it. transformers redistributes such weights before its own DCP calls; here DTensor's three
     hooks describe each piece instead, so every DCP user (``dcp.save(get_model_state_dict(model))``, resuming at
     another layout, transformers' DCP checkpoints) reads and writes the right elements. DTensors of one piece keep
-    torch's own hooks. Installed (once per process) by the styles that create such placements, never at import."""
-    if getattr(DTensor, _PATCHED, False):
+    torch's own hooks. Installed (once per process, :mod:`hf_moe_tp.runtime.changes` group ``"models"``) by the styles
+    that create such placements, never at import."""
+    if "DTensor.__create_write_items__" in changes.made(changes.MODELS):
         return
     originals = {name: getattr(DTensor, name) for name in DCP_HOOKS}
 
@@ -152,8 +153,7 @@ def checkpoint_pieces() -> None:
                          f"{[list(o) for o, _, _ in found]})")
 
     for name, fn in zip(DCP_HOOKS, (create_write_items, create_chunk_list, get_tensor_shard), strict=True):
-        setattr(DTensor, name, fn)
-    setattr(DTensor, _PATCHED, True)
+        changes.replace(changes.MODELS, DTensor, name, fn)
 
 
 def _several(t: DTensor) -> list[tuple[torch.Size, torch.Size, tuple[slice, ...]]] | None:

@@ -39,14 +39,77 @@ PARALLELISM_HANDLED = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How :func:`hf_moe_tp.from_pretrained` splits a model; each field is the keyword argument of that name
-    (its docstring says what each does). Refusals are raised (``ValueError`` naming the field and value) when
-    the config is made, and :func:`dataclasses.replace` makes a changed copy, validated again."""
+    """How :func:`hf_moe_tp.from_pretrained` splits a model, and how the split model behaves: each field is also
+    a keyword argument of that name of ``from_pretrained``. Refusals are raised (``ValueError`` naming the field
+    and value) when the config is made, and :func:`dataclasses.replace` makes a changed copy, validated again.
 
+    **The plan and the sizes** (``tp_plan``, ``ep_size``, ``fsdp_size``, ``dp_replicate_size``; the TP size is the
+    rest of the world, or a given ``device_mesh``'s ``"tp"`` dimension). ``tp_plan``: ``"auto"``, the model's own
+    (:func:`hf_moe_tp.tp_plan`); a dict, the model's with its entries overriding it (transformers' meaning);
+    ``None``, everything replicated, or with ``ep_size`` everything but the experts.
+
+    Expert parallelism (:class:`hf_moe_tp.ExpertParallel`: whole experts per rank, tokens moved by all-to-all)
+    with ``ep_size``: equal to the TP size, the experts are split over the same ranks as attention; smaller,
+    the world becomes an ``(ep, tp)`` mesh (``ep_size`` x world / ``ep_size``): attention split over ``tp``,
+    experts over ``ep``, each ``ep`` coordinate running its own batch (data parallel for the dense layers,
+    whose gradients the caller averages over ``ep``). A 2-D ``device_mesh`` with an ``"ep"`` dimension selects
+    the latter too. ``tp_plan`` entries set to ``ExpertParallel`` select EP with the plan form. ``ep_dispatch``
+    (``"auto"``, ``"all_to_all"``, ``"all_reduce"``) sets :class:`ExpertParallel`'s ``dispatch`` for them all.
+
+    Data parallelism with FSDP2 (:mod:`hf_moe_tp.parallel.fsdp`, each decoder layer and the root ``fully_shard``-ed):
+    a ``device_mesh`` with a ``"dp_shard"`` (or ``"dp"``, ``"fsdp"``) dimension beside ``"tp"``, and for HSDP a
+    ``"dp_replicate"`` one in front; or ``fsdp_size`` / ``dp_replicate_size`` (the rest of the world is TP).
+    ``mp_policy`` and ``offload_policy`` go to ``fully_shard``. Every parameter then lives on the one parent
+    mesh, so ``clip_grad_norm_`` and fused optimizers take them all in one call. With an ``(ep, tp)`` mesh,
+    ``fsdp_size`` equal to its ep size shards the dense layers over the ep ranks (which hold different batches).
+    Layouts (:mod:`hf_moe_tp.parallel.meshes`) other than these are refused by name.
+
+    **Options** (each off or at transformers' behaviour by default):
+
+    The loss of a forward with ``labels`` comes from logits split over the vocabulary where ``lm_head`` is
+    split (:mod:`hf_moe_tp.parallel.loss`); the outputs' ``logits`` are gathered all the same. ``loss_parallel``: in a
+    training-mode forward with ``labels`` they are not: they stay a DTensor split over the vocabulary
+    (``.full_tensor()`` for the whole), saving the all-gather; otherwise (inference, ``generate``, evaluation
+    with labels) they are gathered as usual.
+
+    ``check_inputs``: compare a fingerprint of the forward's inputs across the TP group
+    (:mod:`hf_moe_tp.parallel.input_check`) on the ``"first"`` forward (default), on ``"always"`` every forward, or
+    ``"never"``; ranks fed different inputs raise :class:`~hf_moe_tp.parallel.input_check.InputMismatchError` on every
+    rank instead of computing silently wrong results (or aborting in a collective of mismatched sizes).
+
+    ``timeout``: seconds that any collective of loading, forward or backward may wait before it fails (a rank
+    that died or stopped calling forward), set on every process group the model uses. Without it, a process
+    group started here waits at most 600 s; one the caller started keeps its own timeouts. A forward whose
+    collective fails raises :class:`~hf_moe_tp.runtime.timeouts.CollectiveFailure` naming the ranks that did not
+    report the failure.
+
+    ``keep_quantized``: on a block-scaled FP8 checkpoint, keep the FP8 weights of expert and linear layers in
+    memory with their block scales, sharded like the weights (:mod:`hf_moe_tp.checkpoint.fp8`: about half the bf16
+    model's bytes per rank), dequantizing each rank's part as the forward needs it; the outputs are those of the
+    dequantized model within round-off, the FP8 weights cannot be trained, and ``save_pretrained`` writes the
+    checkpoint's own format back. Other checkpoints, FSDP2 layouts and plans splitting an FP8 weight across its
+    scale blocks are refused by name.
+
+    ``read_once`` (HSDP, ``dp_replicate_size`` > 1): replicas hold the same shards, so only the first replica
+    reads them and broadcasts each rank's shards to its peers of the other replicas over ``dp_replicate``: the job
+    reads each checkpoint byte once instead of once per replica. ``None`` (default): on when the job spans more
+    than one node (torchrun's ``LOCAL_WORLD_SIZE`` below ``WORLD_SIZE``), where replicas read through a shared
+    filesystem; off on one node, where the page cache serves every replica (bench/load.py measures both).
+    ``True`` without a ``dp_replicate`` dimension is refused.
+
+    ``expert_bias_update_rate``: auxiliary-loss-free balancing (DeepSeek-V3's rule) for families whose router has a
+    score-correction bias (``e_score_correction_bias``): after every optimizer step over the model's parameters,
+    each bias moves by ``rate * sign(mean load - expert load)``
+    (:func:`hf_moe_tp.parallel.expert_balance.balance_experts`; DeepSeek-V3 used 0.001). Refused for a model without
+    such a bias.
+    """
+
+    # the plan and the sizes
     tp_plan: str | dict[str, ParallelStyle | str] | None = "auto"
     ep_size: int | None = None
     fsdp_size: int | None = None
     dp_replicate_size: int | None = None
+    # options: how experts exchange tokens, the loss, FSDP2's policies, collectives, loading, training
     ep_dispatch: str | None = None
     loss_parallel: bool = False
     mp_policy: MixedPrecisionPolicy | None = None
@@ -213,3 +276,6 @@ def _offloads(policy: OffloadPolicy | None) -> bool:
     from torch.distributed.fsdp import OffloadPolicy
 
     return policy is not None and type(policy) is not OffloadPolicy
+
+
+SETTINGS = frozenset(f.name for f in dataclasses.fields(ParallelConfig))  # from_pretrained's keywords that are settings

@@ -6,9 +6,9 @@ decides a decode step (bench/generate.py: about a quarter of a step at batch 1 w
 subclasses keep torch's placements, arguments and DTensor parameters (so clipping, optimizers, DCP and FSDP2
 see the same model) and compute as Megatron does:
 
-- :class:`ColumnParallel` (weight and bias ``Shard(0)``): the input is whole on every rank, the output this
+- :class:`LocalColwiseParallel` (weight and bias ``Shard(0)``): the input is whole on every rank, the output this
   rank's features; in backward the input's gradient, a partial sum on each rank, is summed over the mesh.
-- :class:`RowParallel` (weight ``Shard(1)``, bias replicated): the input is this rank's features, the partial
+- :class:`LocalRowwiseParallel` (weight ``Shard(1)``, bias replicated): the input is this rank's features, the partial
   product is summed over the mesh with one all-reduce, the bias added once after it.
 
 Layouts other than these (a sharded input of a column-wise layer, a DTensor output, a row-wise layer that
@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from .styles import _check_mesh, _SumGradOverMesh, distribute_params, local_during_forward, sum_over_mesh
 
 
-class ColumnParallel(ColwiseParallel):
+class LocalColwiseParallel(ColwiseParallel):
     """torch's ``ColwiseParallel``, computed on local tensors for an ``nn.Linear`` with a whole (replicated)
     input and a local output: this rank's slice of the features, or all of them (``output_layouts=Replicate()``,
     gathered).
@@ -65,9 +65,9 @@ class ColumnParallel(ColwiseParallel):
         return module
 
 
-class RowParallel(RowwiseParallel):
+class LocalRowwiseParallel(RowwiseParallel):
     """torch's ``RowwiseParallel``, computed on local tensors for an ``nn.Linear`` whose input arrives split by
-    features (``Shard(-1)``, the output of a :class:`ColumnParallel` layer) and whose output is whole: one
+    features (``Shard(-1)``, the output of a :class:`LocalColwiseParallel` layer) and whose output is whole: one
     all-reduce of the partial product, then the bias."""
 
     def computes_locally(self, module: nn.Module) -> bool:
@@ -108,8 +108,8 @@ def _local(x: torch.Tensor, mesh: DeviceMesh, layout: Shard | Replicate) -> torc
     return x.redistribute(mesh, (layout,)).to_local() if isinstance(x, DTensor) else x
 
 
-# Set on a gathering ColumnParallel module (the output projection, by hf_moe_tp.parallel.loss) while its output is to
-# stay split: a DTensor Shard(-1), for the loss computed from split logits.
+# Set on a gathering LocalColwiseParallel module (the output projection, by hf_moe_tp.parallel.loss) while its output
+# is to stay split: a DTensor Shard(-1), for the loss computed from split logits.
 KEEP_SPLIT = "_hf_moe_tp_keep_split"
 
 

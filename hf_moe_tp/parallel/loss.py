@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from .linear import KEEP_SPLIT, ColumnParallel, gather_kept_split
+from .linear import KEEP_SPLIT, LocalColwiseParallel, gather_kept_split
 
 # Inside loss_only(): a plain global, not a ContextVar, which torch.compile cannot read (a graph break)
 _loss_only = {"depth": 0}
@@ -82,13 +82,13 @@ def causal_lm_loss(
 
 def split_loss(model: nn.Module, plan: dict) -> bool:
     """Have ``model``'s forwards with ``labels`` take the loss from logits split over the vocabulary, where its
-    output projection is a gathering :class:`~hf_moe_tp.parallel.linear.ColumnParallel` (``plan``'s entry) and its loss
-    is transformers' causal-LM one; returns whether it does. The outputs' logits are gathered, except where the
+    output projection is a gathering :class:`~hf_moe_tp.parallel.linear.LocalColwiseParallel` (``plan``'s entry) and
+    its loss is transformers' causal-LM one; returns whether it does. The outputs' logits are gathered, except where the
     style says ``keep_split_in_training`` (``loss_parallel=True``) or inside :func:`loss_only`, in a
     training-mode forward that computed a loss. :func:`hf_moe_tp.apply_plan` calls it."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     style = next((plan.get(n) for n, m in model.named_modules() if m is head), None) if head is not None else None
-    if not (isinstance(style, ColumnParallel) and style.output_layouts[0] == Replicate()
+    if not (isinstance(style, LocalColwiseParallel) and style.output_layouts[0] == Replicate()
             and style.computes_locally(head) and getattr(model, "loss_function", None) is ForCausalLMLoss):
         return False
     keep_split_in_training = style.keep_split_in_training

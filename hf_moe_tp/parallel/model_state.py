@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .meshes import Layout
 
 ATTRIBUTE = "hf_moe_tp"
-STYLE = "_hf_moe_tp_style"  # on each placed module: the style it got (plans.apply_plan)
+STYLE = "_hf_moe_tp_style"  # on each placed module: the style it got (plans.parallelize)
 
 
 @dataclass(eq=False)

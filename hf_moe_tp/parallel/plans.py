@@ -2,7 +2,7 @@
 
 ``tp_plan(model, tp_size)`` follows the model's own transformers plan for attention, dense MLPs, shared
 experts, embeddings and ``lm_head`` where the sizes divide by the TP size, gives every GroupedExperts
-``TensorParallel`` and every router ``NoParallel``. ``apply_plan`` applies a plan with ``parallelize_module``
+``TensorParallel`` and every router ``NoParallel``. ``parallelize`` applies a plan with ``parallelize_module``
 and makes every parameter left over a replicated DTensor, so the whole model lives on one mesh. Those modules
 (norms, unsplit embeddings) compute replicated on their local tensors (``LocalParams``), with no DTensor
 dispatch in the hot path and no mixing of plain tensors and DTensors in code that does not expect them.
@@ -28,12 +28,12 @@ from transformers import PretrainedConfig
 from .._compat import MODEL_TP_PLAN, is_strided_shard
 from ..runtime.shutdown import release_at_exit
 from .boxes import shard_dim
+from .expert_balance import count_tokens_per_expert
 from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
 from .fsdp import keep_training_fresh
 from .hf_plan import entries, heads_divide, matches
-from .linear import ColumnParallel, RowParallel
-from .load_balance import track_expert_load
+from .linear import LocalColwiseParallel, LocalRowwiseParallel
 from .loss import split_loss
 from .meshes import Layout
 from .model_state import STYLE, state_of
@@ -52,17 +52,17 @@ from .towers import FEATURE_METHODS, owning_config, towers
 
 # transformers' plan names -> torch styles. Expert entries are ours (TensorParallel on GroupedExperts).
 HF_STYLES = {
-    "colwise": lambda: ColumnParallel(),
-    "rowwise": lambda: RowParallel(),
-    "colwise_gather_output": lambda: ColumnParallel(output_layouts=Replicate()),
+    "colwise": lambda: LocalColwiseParallel(),
+    "rowwise": lambda: LocalRowwiseParallel(),
+    "colwise_gather_output": lambda: LocalColwiseParallel(output_layouts=Replicate()),
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
     "embedding_rowwise": lambda: VocabParallelEmbedding(),
     "replicated_with_grad_allreduce": lambda: LocalParams(),
     # transformers 5.25: query/key/value projections that "own at least one head" per rank, replicating head
     # groups where the heads do not divide. Where they divide that is plain column/row-wise; where they do not,
     # ``_divides`` keeps the whole attention replicated, as for every other family.
-    "unit_colwise": lambda: ColumnParallel(),
-    "unit_rowwise": lambda: RowParallel(),
+    "unit_colwise": lambda: LocalColwiseParallel(),
+    "unit_rowwise": lambda: LocalRowwiseParallel(),
 }
 # transformers' plan names we read elsewhere or deliberately leave whole (each module then a replicated DTensor,
 # which computes what one process computes): anything else in a family's plan is refused by name, since skipping
@@ -116,7 +116,7 @@ def tp_plan(model: nn.Module, tp_size: int | None = None, *, ep_size: int | None
     replicated.
 
     ``loss_parallel``: the split output projection keeps its logits split over the vocabulary in training-mode
-    forwards with labels (:mod:`hf_moe_tp.parallel.loss`, installed by :func:`apply_plan`): exactly
+    forwards with labels (:mod:`hf_moe_tp.parallel.loss`, installed by :func:`parallelize`): exactly
     ``from_pretrained(loss_parallel=True)``. A model whose output projection is not split (tied embeddings, a
     vocabulary that does not divide) is refused by name.
     """
@@ -172,14 +172,14 @@ def tp_plan(model: nn.Module, tp_size: int | None = None, *, ep_size: int | None
     return plan
 
 
-def loss_parallel_head(model: nn.Module, style: ParallelStyle | None, head: str | None) -> ColumnParallel:
+def loss_parallel_head(model: nn.Module, style: ParallelStyle | None, head: str | None) -> LocalColwiseParallel:
     """``style`` (the output projection's) made to keep the logits split in training (``loss_parallel``); it must
-    be a gathering :class:`ColumnParallel`."""
-    if not (isinstance(style, ColumnParallel) and style.output_layouts[0] == Replicate()):
+    be a gathering :class:`LocalColwiseParallel`."""
+    if not (isinstance(style, LocalColwiseParallel) and style.output_layouts[0] == Replicate()):
         why = "tied to the input embeddings or its vocabulary does not divide" if style is None else f"is {style!r}"
         raise ValueError(f"loss_parallel=True needs the output projection ({head}) split over the vocabulary by a "
-                         f"gathering ColumnParallel, but in this plan it {why}; load without loss_parallel")
-    return ColumnParallel(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                         f"gathering LocalColwiseParallel, but in this plan it {why}; load without loss_parallel")
+    return LocalColwiseParallel(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
                           use_local_output=style.use_local_output, keep_split_in_training=True)
 
 
@@ -309,14 +309,14 @@ def resolve_plan(plan: dict[str, ParallelStyle | str]) -> dict[str, ParallelStyl
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)  # modules whose parent may call them functionally
 
 
-def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle | str],
+def parallelize(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle | str],
                ep_mesh: DeviceMesh | None = None) -> nn.Module:
     """Apply ``plan`` (names or ``*`` patterns -> styles or style names), then replicate every parameter left
     as a plain tensor. ``ExpertParallel`` entries go on ``ep_mesh`` when given (a 2-D ``(ep, tp)`` mesh whose
     ``tp`` dimension is ``mesh``), on ``mesh`` otherwise. Where the output projection is split over the
     vocabulary, forwards with labels take the loss from the split logits (:func:`hf_moe_tp.parallel.loss.split_loss`;
     ``model.hf_moe_tp.split_loss`` says whether). Every GroupedExperts counts its tokens
-    (:func:`hf_moe_tp.expert_load`). Changes no other library: the public :func:`hf_moe_tp.apply_plan`
+    (:func:`hf_moe_tp.tokens_per_expert`). Changes no other library: the public :func:`hf_moe_tp.apply_plan`
     (:func:`hf_moe_tp.pretrained.apply_plan`) is this after switching the integrations on."""
     plan = resolve_plan(plan)
     every = dict(plan)
@@ -366,7 +366,7 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
     state.layout = state.layout or Layout(mesh, ep_mesh)  # from_pretrained gives its whole layout after
     state.plan = every
     state.split_loss = split_loss(model, every)
-    track_expert_load(model)
+    count_tokens_per_expert(model)
     return model
 
 

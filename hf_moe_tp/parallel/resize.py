@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .._compat import MODEL_RESIZED_EMBEDDINGS, MODEL_RESIZED_HEAD, drop_forward_hooks, fsdp_replace_param
-from .linear import ColumnParallel
+from .linear import LocalColwiseParallel
 from .model_state import STYLE, placed
 from .styles import LocalParams, VocabParallelEmbedding
 
@@ -123,7 +123,7 @@ def _place(model: nn.Module, module: nn.Module, tensors: dict[str, torch.Tensor]
     if not split or mesh is None:  # never placed (a model of one process): plain parameters
         return
     style = getattr(module, STYLE, None)
-    if style is None or (isinstance(style, VocabParallelEmbedding | ColumnParallel) and rows % mesh.size()):
+    if style is None or (isinstance(style, VocabParallelEmbedding | LocalColwiseParallel) and rows % mesh.size()):
         style = LocalParams(sum_grads=False)
     style._apply(module, mesh)
     setattr(module, STYLE, style)

@@ -7,7 +7,7 @@ transformers' plan entries for a tower come from the tower's own config (``Llama
 ``base_model_tp_plan``, Ernie-VL's vision MLP), so whether its attention heads divide is read from that config,
 not the text model's (:func:`owning_config`). transformers' ``generate`` runs the towers before the first forward
 (``get_image_features`` on the model, outside its ``forward``), so what the forward arranges for replicated
-parameters is arranged on each tower too (:func:`hf_moe_tp.parallel.plans.apply_plan`), and on the feature methods
+parameters is arranged on each tower too (:func:`hf_moe_tp.parallel.plans.parallelize`), and on the feature methods
 (:data:`FEATURE_METHODS`) for the parameters they read off their own module (DeepSeek-OCR's view separator).
 """
 

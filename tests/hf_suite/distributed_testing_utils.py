@@ -44,7 +44,7 @@ def start_timeout() -> float:
 
 
 def first_line(message: str) -> str:
-    """A message's first line; while a line only introduces what follows ("loading failed on 2 rank(s):"), the next
+    """A message's first line; while a line only introduces what follows ("loading failed on 2 ranks:"), the next
     one too."""
     lines = [line.strip() for line in message.splitlines() if line.strip()] or [""]
     count = 1

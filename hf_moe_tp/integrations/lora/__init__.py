@@ -74,7 +74,7 @@ from .adapters import shard_adapter
 from .checks import EXPERT_WEIGHTS, SUPPORTED_INITS, UnsupportedLoraError, check_config
 from .placement import SlicedDropout
 from .saving import save_adapters
-from .watch import unwatch_peft, watch_peft
+from .watch import watch_peft
 
 __all__ = ["EXPERT_WEIGHTS", "SUPPORTED_INITS", "SlicedDropout", "UnsupportedLoraError", "check_config",
-           "save_adapters", "shard_adapter", "unwatch_peft", "watch_peft"]
+           "save_adapters", "shard_adapter", "watch_peft"]

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from ...parallel.boxes import shard_dim
-from ...parallel.linear import KEEP_SPLIT, ColumnParallel, RowParallel
+from ...parallel.linear import KEEP_SPLIT, LocalColwiseParallel, LocalRowwiseParallel
 from ...parallel.styles import (
     LocalParams,
     MlaKvAProj,
@@ -76,11 +76,11 @@ class _Placement:
         style = self.style
         if self.tp_mesh.size() == 1:
             return "replicated"
-        if type(style) in (ColwiseParallel, ColumnParallel):
+        if type(style) in (ColwiseParallel, LocalColwiseParallel):
             if style.input_layouts != (Replicate(),) or len(style.output_layouts) != 1:
                 self._refuse()
             return "colwise"
-        if type(style) in (RowwiseParallel, RowParallel):
+        if type(style) in (RowwiseParallel, LocalRowwiseParallel):
             if style.input_layouts[0] not in (Shard(-1), Replicate()) or style.output_layouts != (Replicate(),):
                 self._refuse()
             return "rowwise"

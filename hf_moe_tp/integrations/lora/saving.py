@@ -65,7 +65,7 @@ def save_adapters(peft_model: nn.Module, save_directory: str | os.PathLike, **kw
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
-    agree_saved(error, f"cannot save the adapters to {out}")
+    agree_saved(error, f"saving the adapters to {out}")
 
 
 def _is_adapter_key(key: str) -> bool:

@@ -17,6 +17,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..._compat import LORA_CHECK, LORA_CREATE, LORA_UNLOAD, PEFT_DEVICE_MESH, PEFT_TP_PLAN
 from ...parallel.model_state import placed
+from ...runtime import changes
+from ..switch import GROUP
 from .adapters import shard_adapter
 from .checks import UnsupportedLoraError, check_config
 from .saving import _bind_save
@@ -128,20 +130,8 @@ def _without_transformers_tp(bases: Iterable[nn.Module]) -> Iterator[None]:
                 base.__dict__.pop(attr, None)
 
 
-_hook = None  # torch's handle of the module-registration hook while PEFT is watched
-
-
 def watch_peft() -> None:
-    """Register :func:`_on_register` as torch's global module-registration hook (idempotent; switched on with the
-    other integrations, :mod:`hf_moe_tp.integrations.switch`)."""
-    global _hook
-    if _hook is None:
-        _hook = torch.nn.modules.module.register_module_module_registration_hook(_on_register)
-
-
-def unwatch_peft() -> None:
-    """Remove the hook (idempotent)."""
-    global _hook
-    if _hook is not None:
-        _hook.remove()
-        _hook = None
+    """Register :func:`_on_register` as torch's global module-registration hook (once, by
+    :func:`hf_moe_tp.integrations.switch.enable`, which takes it back with the other integrations)."""
+    hook = torch.nn.modules.module.register_module_module_registration_hook(_on_register)
+    changes.on_undo(GROUP, "torch's module-registration hook", hook.remove)

@@ -1,4 +1,4 @@
-"""Expert load (hf_moe_tp.expert_load): the tokens routed to each expert, per MoE layer, read on every layout equal
+"""Tokens per expert (hf_moe_tp.tokens_per_expert), per MoE layer, read on every layout equal
 to what transformers' own router picks in one process on the same global batch, padding tokens left out."""
 
 from __future__ import annotations
@@ -47,15 +47,15 @@ def _measure(path: str, kwargs: dict) -> dict:
     rows = slice(index * BATCH // count, (index + 1) * BATCH // count)  # this rank's part of the global batch
     with torch.no_grad():
         model(ids[rows], attention_mask=mask[rows])
-    first = hf_moe_tp.expert_load(model, reset=True)
+    first = hf_moe_tp.tokens_per_expert(model, reset=True)
     model.train()
     model.activation_checkpointing_enable()  # the recomputed forward must not count again
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model(ids[rows], attention_mask=mask[rows], labels=ids[rows]).loss.backward()
-    second = hf_moe_tp.expert_load(model)
-    return {"first": first, "second": second, "total": hf_moe_tp.expert_load(model, total=True),
-            "summary": hf_moe_tp.load_summary(first),
+    second = hf_moe_tp.tokens_per_expert(model)
+    return {"first": first, "second": second, "total": hf_moe_tp.tokens_per_expert(model, total=True),
+            "summary": hf_moe_tp.routing_balance(first),
             "warned": [str(w.message) for w in caught if "output_router_logits off" in str(w.message)]}
 
 
@@ -84,12 +84,12 @@ def test_expert_load_matches_one_process(ranks, qwen3_moe, layout):
 def test_reset_of_the_total_refused():
     """The total counts since tracking began: a reset of it is refused by name, not ignored."""
     with pytest.raises(ValueError, match="total=True, reset=True"):
-        hf_moe_tp.expert_load(torch.nn.Linear(1, 1), total=True, reset=True)
+        hf_moe_tp.tokens_per_expert(torch.nn.Linear(1, 1), total=True, reset=True)
 
 
 def test_load_summary():
     load = torch.tensor([[4, 4, 4, 4], [16, 0, 0, 0]])
-    summary = hf_moe_tp.load_summary(load)
+    summary = hf_moe_tp.routing_balance(load)
     assert summary == {"max_over_mean": 4.0, "idle_fraction": 0.75, "cv": pytest.approx(3 ** 0.5)}
 
 
@@ -154,7 +154,7 @@ def skewed_deepseek(tmp_path_factory):
 def _balance(path: str, kwargs: dict, rate: float | None) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from hf_moe_tp.parallel.load_balance import expert_biases
+    from hf_moe_tp.parallel.expert_balance import expert_biases
 
     model = hf_moe_tp.from_pretrained(path, expert_bias_update_rate=rate, **kwargs).train()
     index, count = hf_moe_tp.data_parallel_rank(model)
@@ -164,7 +164,7 @@ def _balance(path: str, kwargs: dict, rate: float | None) -> dict:
     for step in range(STEPS):
         ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
         model(ids[rows], labels=ids[rows]).loss.backward()
-        imbalance.append(hf_moe_tp.load_summary(hf_moe_tp.expert_load(model, reset=True))["max_over_mean"])
+        imbalance.append(hf_moe_tp.routing_balance(hf_moe_tp.tokens_per_expert(model, reset=True))["max_over_mean"])
         opt.step()
         opt.zero_grad()
     biases = [b.full_tensor() if isinstance(b, DTensor) else b for b in expert_biases(model) if b is not None]

@@ -1,4 +1,4 @@
-"""Expert load: how many (token, slot) pairs each routed expert received, per MoE layer, exact on every layout.
+"""Tokens per expert: how many (token, slot) pairs each routed expert received, per MoE layer, exact on every layout.
 
 Each :class:`~hf_moe_tp.GroupedExperts` counts the expert ids it is given, in a forward pre-hook that runs before
 the parallel style's (so it sees this rank's tokens with their global expert ids, before any dispatch), into a
@@ -7,7 +7,7 @@ forward) are not counted, as transformers leaves them out of its auxiliary loss.
 checkpointing) is not counted twice. Forwards compiled with ``torch.compile`` (transformers' compiled decoding) are
 not counted.
 
-Reading (:func:`expert_load`) is the only sync: one all-reduce of the counts over the job, divided by how many
+Reading (:func:`tokens_per_expert`) is the only sync: one all-reduce of the counts over the job, divided by how many
 ranks hold each batch (the TP ranks of a batch all see its tokens; data-parallel ranks and an ``(ep, tp)`` mesh's
 ep ranks see different ones: :func:`hf_moe_tp.data_parallel_rank`), so every layout reads what one process reads
 on the same global batch.
@@ -26,6 +26,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .._compat import in_backward
+from ..runtime import changes
 from .experts import GroupedExperts
 from .meshes import data_parallel_rank
 from .model_state import state_of
@@ -42,7 +43,7 @@ class _Counts:
     at_update: torch.Tensor | None = None
 
 
-def track_expert_load(model: nn.Module) -> None:
+def count_tokens_per_expert(model: nn.Module) -> None:
     """Count the tokens routed to each expert of every GroupedExperts in ``model`` from now on (idempotent;
     :func:`hf_moe_tp.apply_plan` calls it for every model it places)."""
     if state_of(model).counting_tokens:
@@ -57,20 +58,21 @@ def track_expert_load(model: nn.Module) -> None:
             module.register_forward_pre_hook(_counter(model), prepend=True, with_kwargs=True)
 
 
-def expert_load(model: nn.Module, *, reset: bool = False, total: bool = False) -> torch.Tensor:
+def tokens_per_expert(model: nn.Module, *, reset: bool = False, total: bool = False) -> torch.Tensor:
     """Tokens routed to each expert, ``(MoE layers, experts)`` int64 on the CPU, in the order of
     ``model.modules()``: since the last ``reset=True`` read (or since tracking began), or with ``total`` since
     tracking began. Every rank of the job must call it (one all-reduce); all get the same counts."""
     if total and reset:
-        raise ValueError("expert_load(total=True, reset=True): the total counts since tracking began and is never "
-                         "reset; reset=True moves the mark of the counts read without total")
+        raise ValueError("tokens_per_expert(total=True, reset=True): the total counts since tracking began and is "
+                         "never reset; reset=True moves the mark of the counts read without total")
     return _gather(model, None if total else "at_reset", reset).cpu()
 
 
 def _tracked(model: nn.Module) -> list[GroupedExperts]:
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts) and hasattr(m, STATE)]
     if not experts:
-        raise ValueError(f"{type(model).__name__} has no tracked GroupedExperts (hf_moe_tp.track_expert_load)")
+        raise ValueError(f"{type(model).__name__} has no tracked GroupedExperts "
+                         "(hf_moe_tp.parallel.expert_balance.count_tokens_per_expert)")
     return experts
 
 
@@ -93,8 +95,8 @@ def _gather(model: nn.Module, since: str | None, reset: bool) -> torch.Tensor:
     return counts
 
 
-def load_summary(load: torch.Tensor) -> dict[str, float]:
-    """Balance figures of an :func:`expert_load` tensor, each the worst MoE layer's: ``max_over_mean`` (1 is
+def routing_balance(load: torch.Tensor) -> dict[str, float]:
+    """Balance figures of an :func:`tokens_per_expert` tensor, each the worst MoE layer's: ``max_over_mean`` (1 is
     perfect balance), ``idle_fraction`` (experts that received no token), ``cv`` (coefficient of variation)."""
     load = load.double()
     mean = load.mean(dim=1).clamp(min=1e-12)
@@ -137,12 +139,12 @@ def _warn_if_balancing_term_off(model: nn.Module, kwargs: dict) -> None:
     if not hasattr(sys.modules.get(family.__module__), "load_balancing_loss_func"):  # (FSDP2 subclasses the model)
         message = (f"{family.__name__} is training with {name}={value}, but transformers' forward of this "
                    "family computes no load-balancing loss, whatever output_router_logits says; watch "
-                   "hf_moe_tp.expert_load for routing collapse")
+                   "hf_moe_tp.tokens_per_expert for routing collapse")
     elif not on:
         message = (f"{family.__name__} is training with {name}={value} but output_router_logits off: "
                    "transformers then adds no load-balancing loss, so routing may collapse onto a few experts. Set "
                    f"{where}.output_router_logits = True (or pass output_router_logits=True) to train with it, or "
-                   f"{name} = 0 to say it is meant (hf_moe_tp.expert_load shows the balance)")
+                   f"{name} = 0 to say it is meant (hf_moe_tp.tokens_per_expert shows the balance)")
     else:
         return
     _warned.add(id(model))
@@ -179,7 +181,10 @@ def _counter(model: nn.Module):
 
 BIAS = "e_score_correction_bias"  # the routers' per-expert score bias, where a family has one
 _balanced: weakref.WeakSet = weakref.WeakSet()  # models whose biases follow the rule
-_step_hook = None
+# optimizer -> (its parameter count and the balanced models then, the balanced models it steps): the optimizer's
+# parameters are matched against the models' once, not at every step
+_stepped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+STEP_HOOK = "torch's optimizer step post-hook (the expert-bias rule)"
 
 
 def expert_biases(model: nn.Module) -> list[torch.Tensor | None]:
@@ -210,11 +215,10 @@ def balance_experts(model: nn.Module, rate: float) -> None:
                          f"bias ({BIAS}); auxiliary-loss-free balancing needs one (DeepSeek-V3, GLM-4.5-MoE, ...)")
     if rate <= 0:
         raise ValueError(f"expert_bias_update_rate must be positive, got {rate}")
-    global _step_hook
     state_of(model).expert_bias_update_rate = float(rate)
     _balanced.add(model)
-    if _step_hook is None:
-        _step_hook = register_optimizer_step_post_hook(_after_step)
+    if STEP_HOOK not in changes.made(changes.MODELS):
+        changes.on_undo(changes.MODELS, STEP_HOOK, register_optimizer_step_post_hook(_after_step).remove)
 
 
 def update_expert_biases(model: nn.Module, rate: float | None = None) -> None:
@@ -233,10 +237,14 @@ def update_expert_biases(model: nn.Module, rate: float | None = None) -> None:
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for model in list(_balanced):
-        if any(id(p) in params for p in model.parameters()):
-            update_expert_biases(model)
+    key = (sum(len(group["params"]) for group in optimizer.param_groups), len(_balanced))
+    known = _stepped.get(optimizer)
+    if known is None or known[0] != key:
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        known = _stepped[optimizer] = (key, weakref.WeakSet(
+            m for m in _balanced if any(id(p) in params for p in m.parameters())))
+    for model in list(known[1]):
+        update_expert_biases(model)
 
 
 def _parent(model: nn.Module, module: nn.Module) -> nn.Module:
