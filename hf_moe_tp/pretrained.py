@@ -247,7 +247,8 @@ def wrap(model: nn.Module, layout: Layout, parallel: ParallelConfig, timeout: fl
     """What a loaded ``model`` does beyond its forward: expert gradients divided under FSDP2, the expert-bias
     update, the balancing term of the global batch, ``save_pretrained``, ``resize_token_embeddings``, continuous
     batching, its layout declared in transformers' terms (for its Trainer, accelerate, continuous batching, PEFT),
-    failed collectives explained, and (last, so its hook runs first) the input check."""
+    failed collectives explained, and the input check (its pre-hook is prepended: it runs before the model's other
+    forward hooks whatever the order here)."""
     if layout.dp is not None:
         divide_expert_gradients(model)
     if parallel.expert_bias_update_rate is not None:
