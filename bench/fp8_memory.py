@@ -28,6 +28,7 @@ from hf_moe_tp.checkpoint.fp8 import keep_fp8_weights, place_scales
 from hf_moe_tp.checkpoint.quantized import CheckpointView, Fp8Weight, Quantization
 from hf_moe_tp.checkpoint.saving import _transformers_keys
 from hf_moe_tp.parallel import plans
+from hf_moe_tp.parallel.boxes import shard_dim
 from model_patches import meta_model
 
 BLOCK = (128, 128)
@@ -58,9 +59,10 @@ def rank_bytes(model, tp: int) -> list[dict[str, int]]:
         kind = "fp8" if t.dtype == torch.float8_e4m3fn else "scales" if name.endswith("_scale") else "other"
         for rank in range(tp):
             shape = list(t.shape)
-            for p in t.placements:
-                if isinstance(p, Shard):
-                    shape[p.dim] = Shard.local_shard_size_and_offset(shape[p.dim], tp, rank)[0]
+            for p in t.placements:  # a packed gate/up weight's _StridedShard too (not a Shard in torch 2.14)
+                dim = shard_dim(p, len(shape))
+                if dim is not None:
+                    shape[dim] = Shard.local_shard_size_and_offset(shape[dim], tp, rank)[0]
             numel = 1
             for n in shape:
                 numel *= n
