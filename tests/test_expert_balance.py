@@ -63,7 +63,7 @@ LAYOUTS = {"one": (1, {}), "tp2": (2, {}), "ep2": (2, {"ep_size": 2}), "dp2_tp2"
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_expert_load_matches_one_process(ranks, qwen3_moe, layout):
+def test_tokens_per_expert_match_one_process(ranks, qwen3_moe, layout):
     """Equal to transformers' router on the same global batch at TP 2, EP 2 and dp 2 x tp 2 (each data-parallel
     rank its part of the batch), every rank reading the same counts; a reset starts a new count, and a training
     step with activation checkpointing counts its tokens once; the running total keeps both."""
@@ -87,7 +87,7 @@ def test_reset_of_the_total_refused():
         hf_moe_tp.tokens_per_expert(torch.nn.Linear(1, 1), total=True, reset=True)
 
 
-def test_load_summary():
+def test_routing_balance():
     load = torch.tensor([[4, 4, 4, 4], [16, 0, 0, 0]])
     summary = hf_moe_tp.routing_balance(load)
     assert summary == {"max_over_mean": 4.0, "idle_fraction": 0.75, "cv": pytest.approx(3 ** 0.5)}
@@ -118,7 +118,7 @@ def _trainer_logs(path: str, out: str) -> dict:
     return {"history": history, "events": events}
 
 
-def test_trainer_logs_expert_load_to_tensorboard(ranks, qwen3_moe, tmp_path):
+def test_trainer_logs_routing_balance_to_tensorboard(ranks, qwen3_moe, tmp_path):
     """The Trainer (report_to tensorboard) logs each MoE model's balance every logging step: read back from the
     event file, one value per step of each figure, the same as the Trainer's log history."""
     results = ranks(2).run(_trainer_logs, qwen3_moe, str(tmp_path))

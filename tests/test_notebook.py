@@ -36,7 +36,7 @@ def test_quickstart_notebook(tmp_path, monkeypatch):
     assert any(x.startswith("EXPERT LOAD EXACT (") for x in lines) and "EXPERT LOAD WRONG" not in text
     images = [out for cell in nb.cells for out in cell.get("outputs", []) if "image/png" in out.get("data", {})]
     assert len(images) == 4  # the made-up image, the memory plot, the loss curves and the expert-load heat map
-    for plot in ("image.png", "memory.png", "loss.png", "expert_load.png"):
+    for plot in ("image.png", "memory.png", "loss.png", "tokens_per_expert.png"):
         assert (tmp_path / plot).is_file() and os.path.getsize(tmp_path / plot) > 1000
 
 

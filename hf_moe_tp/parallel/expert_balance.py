@@ -31,7 +31,7 @@ from .experts import GroupedExperts
 from .meshes import data_parallel_rank
 from .model_state import state_of
 
-STATE = "_hf_moe_tp_expert_load"  # the per-module counters
+STATE = "_hf_moe_tp_token_counts"  # the per-module counters
 
 
 @dataclass
