@@ -26,6 +26,7 @@ from .checkpoint.loading import LoadReport, load_checkpoint
 from .checkpoint.saving import bind_save_pretrained
 from .integrations.hf_arguments import Resolved, refuse, resolve
 from .integrations.switch import enable
+from .options import OPTIONS, LoadOptions
 from .parallel import plans
 from .parallel.balancing_loss import global_balancing_loss
 from .parallel.config import SETTINGS, ParallelConfig, has_replicas
@@ -66,10 +67,13 @@ def from_pretrained(
     Without a process group one is started from the torchrun environment, or as a world of one. A given
     ``device_mesh`` is used as it is (1-D) or through its ``"tp"`` dimension.
 
-    ``**kwargs``: the parallel settings, each a field of :class:`~hf_moe_tp.ParallelConfig` (its docstring says
-    what each does: the plan and the sizes, then the options), and transformers' own ``from_pretrained`` arguments.
-    ``parallel_config``: the same settings as one ``ParallelConfig`` (made from transformers' ``DistributedConfig``
-    or accelerate's ``ParallelismConfig`` too); given with any of them as keywords, it is refused naming each.
+    ``**kwargs``: how the model is split, each a field of :class:`~hf_moe_tp.ParallelConfig` (the plan, the sizes,
+    how the split computes); the options beside it, each a field of :class:`~hf_moe_tp.options.LoadOptions`
+    (``timeout``, ``check_inputs``, ``read_once``, ``keep_quantized``, ``expert_bias_update_rate``,
+    ``balancing_loss``); and transformers' own ``from_pretrained`` arguments. Each class's docstring says what each
+    field does. ``parallel_config``: the split as one ``ParallelConfig`` (made from transformers'
+    ``DistributedConfig`` or accelerate's ``ParallelismConfig`` too); given with any of its fields as keywords, it is
+    refused naming each.
 
     The steps, each a function of this module: :func:`resolve_arguments`, :func:`make_layout`,
     :func:`build_meta_model`, :func:`make_plan`, :func:`place`, :func:`read`, :func:`wrap`.
@@ -90,14 +94,15 @@ def from_pretrained(
     mesh that leaves this rank out), every rank raises :class:`LoadError` naming each failed rank's error.
     """
     settings = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTINGS}
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in OPTIONS}
     hf_kwargs = kwargs
     refuse(hf_kwargs)  # the same arguments on every rank: the same refusal on every rank, before any read
     refused: ValueError | None = None
     try:
-        parallel = resolve_arguments(parallel_config, hf_kwargs, **settings)
+        parallel, opts = resolve_arguments(parallel_config, hf_kwargs, options, **settings)
     except ValueError as e:  # raised below, after the group starts, as every other failure is
-        parallel, refused = ParallelConfig(), e
-    timeout = parallel.timeout
+        (parallel, opts), refused = (ParallelConfig(), LoadOptions()), e
+    timeout = opts.timeout
     started = device_mesh is None and init_process_group(timeout or DEFAULT_TIMEOUT_S)
     if timeout is None and started:
         timeout = DEFAULT_TIMEOUT_S  # our group: its meshes' subgroups get the same bound, not torch's 30 min
@@ -107,12 +112,12 @@ def from_pretrained(
         if refused is not None:
             raise refused
         args = resolve(path, dtype, **hf_kwargs)
-        layout = make_layout(parallel, device_mesh, timeout)
+        layout = make_layout(parallel, opts, device_mesh, timeout)
         model = build_meta_model(args, layout, model_class)
         plan = make_plan(model, parallel, layout)
-        place(model, plan, layout, parallel, args.path)
-        read(model, args, layout, parallel, threads=threads, record_reads=record_reads)
-        wrap(model, layout, parallel, timeout)
+        place(model, plan, layout, parallel, opts, args.path)
+        read(model, args, layout, opts, threads=threads, record_reads=record_reads)
+        wrap(model, layout, opts, timeout)
     except Exception as e:  # noqa: BLE001 - every error is reported on every rank below
         error = e
     agree(error)
@@ -120,10 +125,11 @@ def from_pretrained(
 
 
 def resolve_arguments(parallel_config: ParallelConfig | None = None, hf_kwargs: dict[str, Any] | None = None,
-                      **settings: Any) -> ParallelConfig:
-    """The :class:`ParallelConfig` of a call: ``parallel_config``, or one made from ``settings`` (the
-    ``ParallelConfig`` fields from_pretrained was given as keywords); both at once is refused naming each setting.
-    Also refuses ``keep_quantized`` with a ``quantization_config`` among ``hf_kwargs``."""
+                      options: dict[str, Any] | None = None, **settings: Any) -> tuple[ParallelConfig, LoadOptions]:
+    """The :class:`ParallelConfig` of a call (``parallel_config``, or one made from ``settings``: the
+    ``ParallelConfig`` fields from_pretrained was given as keywords; both at once is refused naming each setting) and
+    its :class:`~hf_moe_tp.options.LoadOptions` (from ``options``, the keywords that are options). Also refuses
+    ``keep_quantized`` with a ``quantization_config`` among ``hf_kwargs``."""
     if parallel_config is None:
         parallel = ParallelConfig(**settings)
     elif not isinstance(parallel_config, ParallelConfig):
@@ -134,22 +140,25 @@ def resolve_arguments(parallel_config: ParallelConfig | None = None, hf_kwargs: 
                          f"(dataclasses.replace(parallel_config, ...)) or as a keyword argument")
     else:
         parallel = parallel_config
-    if parallel.keep_quantized and (hf_kwargs or {}).get("quantization_config") is not None:
+    opts = LoadOptions(**(options or {}))
+    if opts.keep_quantized and (hf_kwargs or {}).get("quantization_config") is not None:
         raise ValueError("keep_quantized=True with quantization_config=... (which asks to dequantize on read): pass "
                          "one of them")
-    return parallel
+    return parallel, opts
 
 
-def make_layout(parallel: ParallelConfig, device_mesh: DeviceMesh | None = None, timeout: float | None = None
-                ) -> Layout:
+def make_layout(parallel: ParallelConfig, opts: LoadOptions | None = None, device_mesh: DeviceMesh | None = None,
+                timeout: float | None = None) -> Layout:
     """The meshes of ``parallel``'s sizes on ``device_mesh`` (or the world), their collectives bounded by
-    ``timeout`` seconds; what ``parallel`` cannot do on them refused by name (:meth:`ParallelConfig.check_layout`).
-    """
-    check_mode(parallel.check_inputs)  # the environment variable's mode too
+    ``timeout`` seconds; what ``parallel`` and ``opts`` cannot do on them refused by name
+    (:meth:`ParallelConfig.check_layout`, :meth:`LoadOptions.check_layout`)."""
+    opts = opts or LoadOptions()
+    check_mode(opts.check_inputs)  # the environment variable's mode too
     layout = resolve_layout(device_mesh, parallel.ep_size, parallel.fsdp_size, parallel.dp_replicate_size)
     if timeout is not None:
         set_timeout(layout.meshes(), timeout)
     parallel.check_layout(layout)
+    opts.check_layout(layout)
     return layout
 
 
@@ -204,14 +213,15 @@ def _experts_left(model: nn.Module, plan: dict[str, ParallelStyle], ep_size: int
 
 
 def place(model: nn.Module, plan: dict[str, ParallelStyle], layout: Layout, parallel: ParallelConfig,
-          path: Path | None = None) -> None:
+          opts: LoadOptions | None = None, path: Path | None = None) -> None:
     """Give the meta ``model`` its final layout before any byte is read: ``plan`` applied on ``layout``'s meshes
     (with ``keep_quantized``, the FP8 layers of the checkpoint at ``path`` first), random ops and sampling agreeing
     across TP, then FSDP2 over the data-parallel mesh."""
-    if parallel.keep_quantized:  # FP8 layers in, before the plan places them (headers only)
+    keep = bool(opts and opts.keep_quantized)
+    if keep:  # FP8 layers in, before the plan places them (headers only)
         keep_fp8_weights(model, path, plan)
     apply_plan(model, layout.tp, plan, ep_mesh=layout.ep)
-    if parallel.keep_quantized:
+    if keep:
         place_scales(model)
     same_draws_in_training(model, layout.tp)  # replicated random ops (router jitter, dropout) agree across TP
     if hasattr(model, "generate"):  # so do sampled tokens
@@ -223,13 +233,13 @@ def place(model: nn.Module, plan: dict[str, ParallelStyle], layout: Layout, para
     state_of(model).layout = layout
 
 
-def read(model: nn.Module, args: Resolved, layout: Layout, parallel: ParallelConfig, *, threads: int | None = None,
-         record_reads: bool = False) -> LoadReport:
+def read(model: nn.Module, args: Resolved, layout: Layout, opts: LoadOptions | None = None, *,
+         threads: int | None = None, record_reads: bool = False) -> LoadReport:
     """Read this rank's slices of the checkpoint at ``args.path`` into the placed ``model`` (with ``read_once``,
     the first replica reads for the others) and its generation config; the report is ``model.hf_moe_tp.load_report``."""
     replicas = None
     if has_replicas(layout):
-        read_once = parallel.read_once
+        read_once = opts.read_once if opts is not None else None
         if read_once is None:  # several nodes: replicas would read through a shared filesystem
             read_once = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) < dist.get_world_size()
         replicas = layout.dp.get_group(0) if read_once else None
@@ -243,23 +253,24 @@ def read(model: nn.Module, args: Resolved, layout: Layout, parallel: ParallelCon
     return report
 
 
-def wrap(model: nn.Module, layout: Layout, parallel: ParallelConfig, timeout: float | None = None) -> None:
+def wrap(model: nn.Module, layout: Layout, opts: LoadOptions | None = None, timeout: float | None = None) -> None:
     """What a loaded ``model`` does beyond its forward: expert gradients divided under FSDP2, the expert-bias
     update, the balancing term of the global batch, ``save_pretrained``, ``resize_token_embeddings``, continuous
     batching, its layout declared in transformers' terms (for its Trainer, accelerate, continuous batching, PEFT),
     failed collectives explained, and the input check (its pre-hook is prepended: it runs before the model's other
     forward hooks whatever the order here)."""
+    opts = opts or LoadOptions()
     if layout.dp is not None:
         divide_expert_gradients(model)
-    if parallel.expert_bias_update_rate is not None:
-        balance_experts(model, parallel.expert_bias_update_rate)
-    global_balancing_loss(model, parallel.balancing_loss)
+    if opts.expert_bias_update_rate is not None:
+        balance_experts(model, opts.expert_bias_update_rate)
+    global_balancing_loss(model, opts.balancing_loss)
     bind_save_pretrained(model)
     bind_resize(model)
     declare(model, layout, _ep_size(model, layout))  # to transformers, its Trainer and accelerate
     bind_continuous_batching(model, layout, dist.get_world_size() if dist.is_initialized() else 1)
     explain_collective_failures(model, layout.meshes(), timeout)
-    check_inputs_on(model, layout.tp, parallel.check_inputs)
+    check_inputs_on(model, layout.tp, opts.check_inputs)
 
 
 def _ep_size(model: nn.Module, layout: Layout) -> int:

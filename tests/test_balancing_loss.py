@@ -22,6 +22,7 @@ from trainers import Rows, arguments, fresh_accelerate, word_tokenizer
 from transformers import AutoModelForCausalLM, Trainer
 
 import hf_moe_tp
+from hf_moe_tp.options import LoadOptions
 from hf_moe_tp.parallel.balancing_loss import _family_arguments, balancing_sums, switch_term
 
 TOL = 1e-4
@@ -62,7 +63,7 @@ def test_switch_term_and_arguments_of_every_family():
 
 def test_refused_scope():
     with pytest.raises(ValueError, match=r"balancing_loss='micro' must be one of \('global', 'replica'\)"):
-        hf_moe_tp.ParallelConfig(balancing_loss="micro")
+        LoadOptions(balancing_loss="micro")
 
 
 @pytest.fixture(scope="module")

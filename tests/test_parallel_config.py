@@ -20,6 +20,7 @@ import hf_moe_tp
 from hf_moe_tp import ParallelConfig, pretrained
 from hf_moe_tp.integrations.hf_arguments import resolve
 from hf_moe_tp.integrations.install import parallel_config
+from hf_moe_tp.options import OPTIONS, LoadOptions
 from hf_moe_tp.parallel.meshes import Layout
 
 
@@ -68,10 +69,16 @@ def mixtral(tmp_path_factory):
     (dict(expert_bias_update_rate=-0.001), "expert_bias_update_rate must be positive, got -0.001"),
 ])
 def test_refused_by_name(fields, named):
+    cls = _owner(fields)
     with pytest.raises(ValueError, match=re.escape(named)):
-        ParallelConfig(**fields)
+        cls(**fields)
     with pytest.raises(ValueError, match=re.escape(named)):  # so is a changed copy
-        dataclasses.replace(ParallelConfig(), **fields)
+        dataclasses.replace(cls(), **fields)
+
+
+def _owner(fields: dict) -> type:
+    """The class that holds ``fields``: ParallelConfig (the split) or LoadOptions (from_pretrained's other options)."""
+    return LoadOptions if set(fields) <= OPTIONS else ParallelConfig
 
 
 class _Mesh:
@@ -96,7 +103,7 @@ class _Mesh:
     (dict(read_once=True), Layout(_Mesh(2), None, _Mesh(1, 2)), "read_once=True needs replicas"),
 ])
 def test_refused_on_the_layout(fields, layout, named):
-    config = ParallelConfig(**fields)
+    config = _owner(fields)(**fields)
     with pytest.raises(ValueError, match=named):
         config.check_layout(layout)
 
@@ -109,21 +116,23 @@ def test_refused_on_the_layout(fields, layout, named):
     (dict(read_once=False, keep_quantized=True), Layout(_Mesh(4))),
 ])
 def test_taken_on_the_layout(fields, layout):
-    ParallelConfig(**fields).check_layout(layout)
+    _owner(fields)(**fields).check_layout(layout)
 
 
 def test_changed_and_one_list_of_settings():
-    """changed() names what differs from the defaults; from_pretrained takes the settings as keywords from the one
-    list, ParallelConfig's fields (its signature repeats none of them)."""
+    """changed() names what differs from the defaults; from_pretrained takes the split's settings and the options as
+    keywords from one list each, ParallelConfig's fields and LoadOptions' (its signature repeats none of them, and
+    no name is in both)."""
     import inspect
 
     from hf_moe_tp.parallel.config import SETTINGS
 
     assert ParallelConfig().changed() == {}
-    assert ParallelConfig(fsdp_size=2, tp_plan=None, timeout=30).changed() == {"fsdp_size": 2, "tp_plan": None,
-                                                                                 "timeout": 30}
+    assert ParallelConfig(fsdp_size=2, tp_plan=None, loss_parallel=True).changed() == {
+        "fsdp_size": 2, "tp_plan": None, "loss_parallel": True}
     assert SETTINGS == {field.name for field in dataclasses.fields(ParallelConfig)}
-    assert not SETTINGS & set(inspect.signature(hf_moe_tp.from_pretrained).parameters)
+    assert OPTIONS == {field.name for field in dataclasses.fields(LoadOptions)} and not SETTINGS & OPTIONS
+    assert not (SETTINGS | OPTIONS) & set(inspect.signature(hf_moe_tp.from_pretrained).parameters)
 
 
 # ---- DistributedConfig, ParallelismConfig ------------------------------------------------------------------------
@@ -203,9 +212,11 @@ def test_parallelism_config_refused_by_name(fields, named):
 def test_install_merges_the_call_keywords(unknown_world):
     """transformers' from_pretrained through install(): the DistributedConfig's config, the plan asked for, and
     hf_moe_tp's own keywords of the call; a field set both ways is refused naming it."""
-    rest = {"keep_quantized": True, "dtype": torch.bfloat16}
+    rest = {"loss_parallel": True, "keep_quantized": True, "dtype": torch.bfloat16}
     config = parallel_config(DistributedConfig(tp_size=4, ep_size=4), "auto", rest)
-    assert config == ParallelConfig(ep_size=4, keep_quantized=True) and rest == {"dtype": torch.bfloat16}
+    # an option stays a keyword of the call
+    assert config == ParallelConfig(ep_size=4, loss_parallel=True)
+    assert rest == {"keep_quantized": True, "dtype": torch.bfloat16}
     assert parallel_config(None, {"lm_head": "colwise"}, {}).tp_plan == {"lm_head": "colwise"}
     with pytest.raises(ValueError, match="fsdp_size set both by the distributed_config and as keyword arguments"):
         parallel_config(DistributedConfig(fsdp_size=2), "auto", {"fsdp_size": 2})
@@ -215,15 +226,16 @@ def test_install_merges_the_call_keywords(unknown_world):
 
 
 def test_resolve_arguments():
-    assert pretrained.resolve_arguments(None, {}, fsdp_size=2) == ParallelConfig(fsdp_size=2)
+    assert pretrained.resolve_arguments(None, {}, fsdp_size=2) == (ParallelConfig(fsdp_size=2), LoadOptions())
     config = ParallelConfig(ep_size=2)
-    assert pretrained.resolve_arguments(config, {}) is config
-    with pytest.raises(ValueError, match=r"parallel_config=\.\.\. with fsdp_size=2, loss_parallel=True, timeout=None"):
-        pretrained.resolve_arguments(config, {}, fsdp_size=2, loss_parallel=True, timeout=None)
+    assert pretrained.resolve_arguments(config, {}, {"timeout": 30}) == (config, LoadOptions(timeout=30))
+    assert pretrained.resolve_arguments(config, {})[0] is config
+    with pytest.raises(ValueError, match=r"parallel_config=\.\.\. with fsdp_size=2, loss_parallel=True"):
+        pretrained.resolve_arguments(config, {}, fsdp_size=2, loss_parallel=True)
     with pytest.raises(ValueError, match="parallel_config must be a hf_moe_tp.ParallelConfig, got dict"):
         pretrained.resolve_arguments({"fsdp_size": 2}, {})
     with pytest.raises(ValueError, match="keep_quantized=True with quantization_config"):
-        pretrained.resolve_arguments(ParallelConfig(keep_quantized=True), {"quantization_config": object()})
+        pretrained.resolve_arguments(None, {"quantization_config": object()}, {"keep_quantized": True})
 
 
 def test_from_pretrained_refuses_config_and_keyword(world, mixtral):
@@ -237,9 +249,9 @@ def test_from_pretrained_refuses_config_and_keyword(world, mixtral):
 
 def test_each_step_alone(world, mixtral):
     """from_pretrained's steps, one call each on a world of one, give the model from_pretrained gives."""
-    parallel = pretrained.resolve_arguments(parallel_config=ParallelConfig(check_inputs="always"))
+    parallel, opts = pretrained.resolve_arguments(parallel_config=ParallelConfig(), options={"check_inputs": "always"})
     args = resolve(mixtral, "auto")
-    layout = pretrained.make_layout(parallel)
+    layout = pretrained.make_layout(parallel, opts)
     assert layout.tp.size() == 1 and layout.ep is None and layout.dp is None
 
     model = pretrained.build_meta_model(args, layout)
@@ -253,16 +265,16 @@ def test_each_step_alone(world, mixtral):
     overridden = pretrained.make_plan(model, ParallelConfig(tp_plan={"lm_head": None}), layout)  # the model's, less one
     assert overridden.keys() == plan.keys() - {"lm_head"}
 
-    pretrained.place(model, plan, layout, parallel, args.path)
+    pretrained.place(model, plan, layout, parallel, opts, args.path)
     assert model.hf_moe_tp.plan == plan and model.hf_moe_tp.layout is layout
     assert all(isinstance(p, DTensor) and p.is_meta for p in model.parameters())
 
-    report = pretrained.read(model, args, layout, parallel)
+    report = pretrained.read(model, args, layout, opts)
     assert report is model.hf_moe_tp.load_report and not any(p.is_meta for p in model.parameters())
 
-    pretrained.wrap(model, layout, parallel)
+    pretrained.wrap(model, layout, opts)
     reference = AutoModelForCausalLM.from_pretrained(mixtral, experts_implementation="eager").eval()
-    whole = hf_moe_tp.from_pretrained(mixtral, parallel_config=parallel)
+    whole = hf_moe_tp.from_pretrained(mixtral, parallel_config=parallel, check_inputs="always")
     ids = torch.randint(0, reference.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = reference(ids).logits

@@ -32,10 +32,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .config import BALANCING_SCOPES as SCOPES
 from .meshes import data_parallel_groups
 from .model_state import state_of
 
+SCOPES = ("global", "replica")  # whose batch the balancing term is of
 _scale = {"value": 1}  # the Trainer's loss multiplier inside its compute_loss (a plain global: see loss.py)
 _checked: weakref.WeakSet = weakref.WeakSet()  # models whose family term was checked against the formula here
 

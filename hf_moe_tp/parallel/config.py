@@ -1,12 +1,13 @@
-"""``ParallelConfig``: how a model is split (plan, EP, FSDP2, HSDP sizes), its FSDP2 policies, its collectives'
-timeout and its input check, validated once when it is made.
+"""``ParallelConfig``: how a model is split (the plan; the EP, FSDP2 and HSDP sizes) and how the split computes
+(the EP dispatch, the loss from split logits, FSDP2's policies), validated once when it is made; nothing else
+(from_pretrained's loading, safety and training options: :mod:`hf_moe_tp.options`).
 
 Two checks, both here: :meth:`ParallelConfig.validate` (each argument alone and together, no process group
-needed) and :meth:`ParallelConfig.check_layout` (what needs the resolved meshes: the policies and
-``keep_quantized`` against data parallelism, ``read_once`` against replicas). It is also made from the other
-libraries' configs: transformers' ``DistributedConfig`` (:meth:`ParallelConfig.from_distributed_config`) and
-accelerate's ``ParallelismConfig`` (:meth:`ParallelConfig.from_parallelism_config`); both are duck-typed here, so
-this module imports neither library. Fields they set that cannot be honoured are refused by name.
+needed) and :meth:`ParallelConfig.check_layout` (what needs the resolved meshes: the policies against data
+parallelism). It is also made from the other libraries' configs: transformers' ``DistributedConfig``
+(:meth:`ParallelConfig.from_distributed_config`) and accelerate's ``ParallelismConfig``
+(:meth:`ParallelConfig.from_parallelism_config`); both are duck-typed here, so this module imports neither library.
+Fields they set that cannot be honoured are refused by name.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
 EP_DISPATCH = ("auto", "all_to_all", "all_reduce")
 
 # DistributedConfig fields and the values we take; any other value is refused by name.
-BALANCING_SCOPES = ("global", "replica")  # hf_moe_tp.parallel.balancing_loss
 SUPPORTED_DEFAULTS = {"enable_sequence_parallel": False, "pp_size": 1, "fsdp_plan": None, "ep_plan": None}
 DISTRIBUTED_HANDLED = ("tp_size", "tp_plan", "fsdp_size", "dp_replicate_size", "fsdp_cpu_offload",
                        "fsdp_mixed_precision", "ep_size", "enable_expert_parallel", "ep_implementation")
@@ -64,44 +64,15 @@ class ParallelConfig:
     ``fsdp_size`` equal to its ep size shards the dense layers over the ep ranks (which hold different batches).
     Layouts (:mod:`hf_moe_tp.parallel.meshes`) other than these are refused by name.
 
-    **Options** (each off or at transformers' behaviour by default):
+    **How the split computes** (each off or at transformers' behaviour by default). from_pretrained's other
+    options (loading, safety, training: ``timeout``, ``check_inputs``, ``read_once``, ``keep_quantized``,
+    ``expert_bias_update_rate``, ``balancing_loss``) are its keywords alone (:class:`hf_moe_tp.options.LoadOptions`).
 
     The loss of a forward with ``labels`` comes from logits split over the vocabulary where ``lm_head`` is
     split (:mod:`hf_moe_tp.parallel.loss`); the outputs' ``logits`` are gathered all the same. ``loss_parallel``: in a
     training-mode forward with ``labels`` they are not: they stay a DTensor split over the vocabulary
     (``.full_tensor()`` for the whole), saving the all-gather; otherwise (inference, ``generate``, evaluation
     with labels) they are gathered as usual.
-
-    ``check_inputs``: compare a fingerprint of the forward's inputs across the TP group
-    (:mod:`hf_moe_tp.parallel.input_check`) on the ``"first"`` forward (default), on ``"always"`` every forward, or
-    ``"never"``; ranks fed different inputs raise :class:`~hf_moe_tp.parallel.input_check.InputMismatchError` on every
-    rank instead of computing silently wrong results (or aborting in a collective of mismatched sizes).
-
-    ``timeout``: seconds that any collective of loading, forward or backward may wait before it fails (a rank
-    that died or stopped calling forward), set on every process group the model uses. Without it, a process
-    group started here waits at most 600 s; one the caller started keeps its own timeouts. A forward whose
-    collective fails raises :class:`~hf_moe_tp.runtime.timeouts.CollectiveFailure` naming the ranks that did not
-    report the failure.
-
-    ``keep_quantized``: on a block-scaled FP8 checkpoint, keep the FP8 weights of expert and linear layers in
-    memory with their block scales, sharded like the weights (:mod:`hf_moe_tp.checkpoint.fp8`: about half the bf16
-    model's bytes per rank), dequantizing each rank's part as the forward needs it; the outputs are those of the
-    dequantized model within round-off, the FP8 weights cannot be trained, and ``save_pretrained`` writes the
-    checkpoint's own format back. Other checkpoints, FSDP2 layouts and plans splitting an FP8 weight across its
-    scale blocks are refused by name.
-
-    ``read_once`` (HSDP, ``dp_replicate_size`` > 1): replicas hold the same shards, so only the first replica
-    reads them and broadcasts each rank's shards to its peers of the other replicas over ``dp_replicate``: the job
-    reads each checkpoint byte once instead of once per replica. ``None`` (default): on when the job spans more
-    than one node (torchrun's ``LOCAL_WORLD_SIZE`` below ``WORLD_SIZE``), where replicas read through a shared
-    filesystem; off on one node, where the page cache serves every replica (bench/load.py measures both).
-    ``True`` without a ``dp_replicate`` dimension is refused.
-
-    ``expert_bias_update_rate``: auxiliary-loss-free balancing (DeepSeek-V3's rule) for families whose router has a
-    score-correction bias (``e_score_correction_bias``): after every optimizer step over the model's parameters,
-    each bias moves by ``rate * sign(mean load - expert load)``
-    (:func:`hf_moe_tp.parallel.expert_balance.balance_experts`; DeepSeek-V3 used 0.001). Refused for a model without
-    such a bias.
     """
 
     # the plan and the sizes
@@ -109,17 +80,11 @@ class ParallelConfig:
     ep_size: int | None = None
     fsdp_size: int | None = None
     dp_replicate_size: int | None = None
-    # options: how experts exchange tokens, the loss, FSDP2's policies, collectives, loading, training
+    # how the split computes: experts' token exchange, the loss from split logits, FSDP2's policies
     ep_dispatch: str | None = None
     loss_parallel: bool = False
     mp_policy: MixedPrecisionPolicy | None = None
     offload_policy: OffloadPolicy | None = None
-    timeout: float | None = None
-    check_inputs: str | None = None
-    read_once: bool | None = None
-    keep_quantized: bool = False
-    expert_bias_update_rate: float | None = None
-    balancing_loss: str = "global"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -127,8 +92,6 @@ class ParallelConfig:
     def validate(self) -> None:
         """Refuse, by name, each field that is wrong on its own (types, sizes, names); no process group needed."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
-
-        from .input_check import check_mode
 
         if not (self.tp_plan == "auto" or self.tp_plan is None or isinstance(self.tp_plan, dict)):
             raise ValueError(f"tp_plan must be 'auto', None or a dict of module names to styles, got "
@@ -141,29 +104,17 @@ class ParallelConfig:
                 raise ValueError(f"{name}={value} must be at least 1")
         if self.ep_dispatch not in (None, *EP_DISPATCH):
             raise ValueError(f"ep_dispatch={self.ep_dispatch!r} must be one of {EP_DISPATCH}")
-        for name in ("loss_parallel", "keep_quantized"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
-        if self.read_once not in (None, True, False):
-            raise ValueError(f"read_once={self.read_once!r} must be True, False or None")
+        if not isinstance(self.loss_parallel, bool):
+            raise ValueError(f"loss_parallel={self.loss_parallel!r} must be True or False")
         if self.mp_policy is not None and not isinstance(self.mp_policy, MixedPrecisionPolicy):
             raise ValueError(f"mp_policy={self.mp_policy!r} must be a torch.distributed.fsdp.MixedPrecisionPolicy")
         if self.offload_policy is not None and not isinstance(self.offload_policy, OffloadPolicy):
             raise ValueError(f"offload_policy={self.offload_policy!r} must be a torch.distributed.fsdp.OffloadPolicy")
-        if self.timeout is not None and not (_is_number(self.timeout) and self.timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
-        if self.check_inputs is not None:  # the environment variable's mode is checked at load time
-            check_mode(self.check_inputs)
-        if self.balancing_loss not in BALANCING_SCOPES:
-            raise ValueError(f"balancing_loss={self.balancing_loss!r} must be one of {BALANCING_SCOPES}")
-        rate = self.expert_bias_update_rate
-        if rate is not None and not (_is_number(rate) and rate > 0):
-            raise ValueError(f"expert_bias_update_rate must be positive, got {rate}")
 
     def check_layout(self, layout: Layout) -> None:
         """Refuse, by name, what this config cannot do on ``layout`` (the meshes
         :func:`hf_moe_tp.parallel.meshes.resolve_layout` gave): FSDP2's policies without data parallelism or with
-        experts over the data-parallel ranks, ``keep_quantized`` with FSDP2, ``read_once`` without replicas."""
+        experts over the data-parallel ranks."""
         mp, offload = self.mp_policy, self.offload_policy
         if layout.dp is not None and layout.ep is not None and (_casts(mp) or _offloads(offload)):
             # FSDP2 leaves experts that already sit over the data-parallel ranks to themselves (fsdp.py)
@@ -171,15 +122,9 @@ class ParallelConfig:
                              "data-parallel ranks ('ep' beside 'tp'): FSDP2 does not manage those experts (FSDP over "
                              "ep), so the policy would not reach them, or manages them apart (fsdp_size larger than "
                              "ep_size), not tested with a policy; load with dtype= instead, without them")
-        if layout.dp is not None and self.keep_quantized:
-            raise ValueError("keep_quantized=True with FSDP2 (fsdp_size, dp_replicate_size or a data-parallel mesh "
-                             "dimension): FP8 weights kept quantized are frozen; load them dequantized to train")
         if layout.dp is None and (mp is not None or offload is not None):
             raise ValueError("mp_policy and offload_policy are FSDP2's: they need fsdp_size, dp_replicate_size or "
                              "a device_mesh with a data-parallel dimension")
-        if self.read_once and not has_replicas(layout):
-            raise ValueError("read_once=True needs replicas: dp_replicate_size > 1 (HSDP) or a device_mesh with a "
-                             "'dp_replicate' dimension larger than 1")
 
     def changed(self) -> dict[str, Any]:
         """The fields set to other than their defaults, as keyword arguments of ``from_pretrained``."""
@@ -263,10 +208,6 @@ def _check_world(source: str, sizes: dict[str, int]) -> None:
                          f"{world}")
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def _casts(policy: MixedPrecisionPolicy | None) -> bool:
     return policy is not None and any(d is not None for d in (policy.param_dtype, policy.reduce_dtype,
                                                                 policy.output_dtype))
@@ -278,4 +219,4 @@ def _offloads(policy: OffloadPolicy | None) -> bool:
     return policy is not None and type(policy) is not OffloadPolicy
 
 
-SETTINGS = frozenset(f.name for f in dataclasses.fields(ParallelConfig))  # from_pretrained's keywords that are settings
+SETTINGS = frozenset(f.name for f in dataclasses.fields(ParallelConfig))  # from_pretrained's keywords that are these
