@@ -50,6 +50,10 @@ class LoadOptions:
     (:func:`hf_moe_tp.parallel.expert_balance.balance_experts`; DeepSeek-V3 used 0.001). Refused for a model without
     such a bias.
 
+    ``balancing_loss``: under data parallelism, the router balancing term (``outputs.aux_loss``, added to the loss
+    with ``output_router_logits``) is the one of the data-parallel global batch, as one process computes it
+    (``"global"``, default), or each replica's own micro-batch's (``"replica"``); under the Trainer neither is
+    multiplied by the replica count (:mod:`hf_moe_tp.parallel.balancing_loss`, docs/training.md).
     """
 
     timeout: float | None = None

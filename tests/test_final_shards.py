@@ -9,7 +9,6 @@ nothing splits). No collective runs a real exchange here, so what needs real ran
 from __future__ import annotations
 
 import math
-import struct
 from pathlib import Path
 
 import pytest
@@ -75,21 +74,21 @@ def test_each_rank_reads_its_final_shard(checkpoints, kind, layout):
     for r in results:
         assert r["wrong"] == [], r
         assert r["held"] <= r["read"] <= r["held"] * (1 + ALIGNMENT), r
-    size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
     if layout in ("dp4", "dp_replicate2_dp2"):  # every rank played; TP 1: FSDP's shards alone, so the job reads
         # the checkpoint once per replica (the small replicated tensors aside)
+        size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
         replicas = kwargs.get("dp_replicate_size", 1)
         assert sum(r["read"] for r in results) <= replicas * size * (1 + ALIGNMENT), results
     if layout == "dp2_tp2":  # every rank played: the job reads each byte once, but those of the tensors TP leaves
         # whole (norms, routers), which each of the 2 TP coordinates reads (its FSDP halves over the dp ranks)
-        data, whole = size - _header_bytes(path), _left_whole_by_tp(path, 2)
+        data, whole = _data_and_left_whole_by_tp(path, 2)
         job = sum(r["read"] for r in results)
         assert data <= job <= (data + whole) * (1 + ALIGNMENT), (job, data, whole)
 
 
-def _left_whole_by_tp(path: str, tp: int) -> int:
-    """Bytes of the checkpoint tensors the TP plan at size ``tp`` keeps whole (its style, or none, splits nothing),
-    from the plan of a fresh meta model: independent of FSDP2 and of the loader."""
+def _data_and_left_whole_by_tp(path: str, tp: int) -> tuple[int, int]:
+    """Bytes of all the checkpoint's tensors, and of those the TP plan at size ``tp`` keeps whole (its style, or
+    none, splits nothing), from the plan of a fresh meta model: independent of FSDP2 and of the loader."""
     from safetensors import safe_open
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from transformers import AutoConfig
@@ -101,25 +100,18 @@ def _left_whole_by_tp(path: str, tp: int) -> int:
     model = meta_model(AutoConfig.from_pretrained(path))
     splitting = (ColwiseParallel, RowwiseParallel, TensorParallel, ExpertParallel, VocabParallelEmbedding)
     split = {name for name, style in tp_plan(model, tp).items() if isinstance(style, splitting)}
-    whole = 0
+    data = whole = 0
     for file in Path(path).glob("*.safetensors"):
         with safe_open(file, "pt") as f:
             for key in f.keys():
+                tensor = f.get_slice(key)
+                assert tensor.get_dtype() == "F32", (key, tensor.get_dtype())  # fp32 test checkpoints
+                nbytes = math.prod(tensor.get_shape()) * 4
+                data += nbytes
                 module = key.rpartition(".")[0]
                 if not any(module == s or module.startswith(f"{s}.") for s in split):
-                    tensor = f.get_slice(key)
-                    assert tensor.get_dtype() == "F32", (key, tensor.get_dtype())
-                    whole += math.prod(tensor.get_shape()) * 4
-    return whole
-
-
-def _header_bytes(path: str) -> int:
-    """The safetensors headers (8 bytes of length, then the JSON): in the files' size, never read as weights."""
-    total = 0
-    for file in Path(path).glob("*.safetensors"):
-        with open(file, "rb") as f:
-            total += 8 + struct.unpack("<Q", f.read(8))[0]
-    return total
+                    whole += nbytes
+    return data, whole
 
 
 def test_read_once_second_replica_reads_nothing(checkpoints):

@@ -38,7 +38,7 @@ from transformers.core_model_loading import (
 
 from .._compat import MODEL_IGNORE_ON_LOAD
 from ..parallel.experts import GroupedExperts
-from ..parallel.model_state import state_of
+from ..parallel.model_state import family_of
 from .expert_sources import SourceRules, per_expert_names_from_conversions
 from .files import Checkpoint
 from .quantized import CheckpointView, checkpoint_view, kept_scales
@@ -103,7 +103,7 @@ def parameter_sources(model: nn.Module, targets: dict[str, torch.Tensor], shapes
                       ) -> dict[str, list[Source]]:
     """The checkpoint sources of every parameter in ``targets`` (model name -> its tensor), from ``shapes``
     (the checkpoint's tensors under their model names, :func:`model_keys`)."""
-    family = state_of(model).family
+    family = family_of(model)
     rules = family.sources if family is not None else SourceRules()
     conversions = get_model_conversion_mapping(model)  # one deep copy of the family's mapping, shared below
     converters = [c for c in conversions if isinstance(c, WeightConverter)]

@@ -22,14 +22,14 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from ..parallel import plans
 from ..parallel.boxes import pieces
 from ..parallel.experts import GroupedExperts
-from ..parallel.model_state import state_of
+from ..parallel.model_state import family_of
 from ..parallel.styles import LocalParams, TensorParallel, VocabParallelEmbedding, expert_placements, unsplittable
 
 
 def engine_placements(model: nn.Module, size: int) -> dict[str, Placement]:
     """Each parameter's placement (model names) on a 1-D mesh of ``size`` ranks under the family's plan at that size;
     parameters it leaves whole are absent."""
-    family = state_of(model).family
+    family = family_of(model)
     if family is None:
         raise ValueError(f"{type(model).__name__} was not built by a model_patches family (model.hf_moe_tp.family): "
                          "the sliced form plans a fresh copy of it at the engine's size; load it with "

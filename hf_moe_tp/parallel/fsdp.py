@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from .._compat import MODEL_FSDP_MANAGED, MODEL_FSDP_PLAN, MODEL_NO_SPLIT
 from .expert_parallel import ExpertParallel
 from .hf_plan import matches
-from .model_state import state_of, style_of
+from .model_state import placed, state_of, style_of
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +101,9 @@ def shard_data_parallel(
     if not any(p.is_meta for p in ignored):
         divide_expert_gradients(model)
     setattr(model, MODEL_FSDP_MANAGED, True)  # transformers' generate then keeps the data-parallel ranks in step
-    layout = state_of(model).layout
-    if layout is not None:  # placed by a plan first, as from_pretrained does
-        layout.dp, layout.expert_dp = dp_mesh, expert_mesh
+    state = placed(model)
+    if state is not None:  # placed by a plan first, as from_pretrained does
+        state.layout.dp, state.layout.expert_dp = dp_mesh, expert_mesh
     return model
 
 

@@ -34,6 +34,7 @@ from .._compat import (
     root_mesh,
 )
 from ..runtime.timeouts import DEFAULT_TIMEOUT_S
+from .model_state import placed
 
 # Mesh dimension names, as torchtitan, accelerate and transformers spell them.
 DP_SHARD_NAMES = ("dp_shard", "dp", "fsdp")
@@ -261,8 +262,6 @@ def data_parallel_groups(model) -> tuple:
 def _batch_mesh(model) -> DeviceMesh | None:
     """The mesh whose ranks hold different batches: the data-parallel mesh, else an ``(ep, tp)`` mesh's ep
     dimension, else None."""
-    from .model_state import placed  # (model_state imports Layout from here)
-
     state = placed(model)
     if state is None:
         return None

@@ -57,6 +57,13 @@ def placed(model: Any) -> ModelState | None:
     return state if isinstance(state, ModelState) and state.layout is not None else None
 
 
+def family_of(model: Any) -> Any:
+    """The family that built ``model`` (``model.hf_moe_tp.family``; a wrapper that forwards attribute reads answers
+    for the model inside), or None. Reads only: unlike :func:`state_of`, it leaves no state on a model without one."""
+    state = getattr(model, ATTRIBUTE, None)
+    return state.family if isinstance(state, ModelState) else None
+
+
 def style_of(module: nn.Module) -> ParallelStyle | None:
     """The style a plan gave ``module`` (None: not placed, or a module inside a placed one)."""
     return getattr(module, STYLE, None)

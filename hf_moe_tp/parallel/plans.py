@@ -36,7 +36,7 @@ from .hf_plan import entries, heads_divide, matches
 from .linear import LocalColwiseParallel, LocalRowwiseParallel
 from .loss import split_loss
 from .meshes import Layout
-from .model_state import STYLE, state_of
+from .model_state import STYLE, family_of, state_of
 from .styles import (
     LocalDuringCall,
     LocalParams,
@@ -150,7 +150,7 @@ def tp_plan(model: nn.Module, tp_size: int | None = None, *, ep_size: int | None
     if (head and head not in plan and not tied and tp_size and isinstance(modules[head], nn.Linear)
             and modules[head].out_features % tp_size == 0):
         plan[head] = HF_STYLES["colwise_gather_output"]()  # families whose transformers plan leaves it whole
-    family = state_of(model).family
+    family = family_of(model)
     plan.update(entries(model, tp_size))
     plan.update((family.plan if family is not None else FamilyPlan()).entries(model, tp_size))
     plan.update(sink_entries(model, plan))
