@@ -193,7 +193,19 @@ def make_plan(model: nn.Module, parallel: ParallelConfig, layout: Layout) -> dic
     if parallel.ep_dispatch is not None:
         plan = {n: ExpertParallel(input_layout=s.input_layout, dispatch=parallel.ep_dispatch)
                 if isinstance(s, ExpertParallel) else s for n, s in plan.items()}
+    if plain_below_fsdp(layout):  # nothing to split over one rank: the experts' ExpertParallel alone
+        plan = {n: s for n, s in plan.items() if isinstance(s, ExpertParallel)}
     return plan
+
+
+def plain_below_fsdp(layout: Layout) -> bool:
+    """Whether ``layout`` splits nothing over ``tp`` (a TP size of 1) and has FSDP2 over its data-parallel mesh:
+    then every parameter but whole experts over an ``ep`` dimension stays a plain tensor until FSDP2 makes it a
+    DTensor over the data-parallel mesh alone, as transformers' FSDP2 holds it (``(dp_replicate, fsdp)``, not
+    ``(dp_replicate, fsdp, tp)`` with a ``tp`` of 1). The split loss is the whole loss there. Not on an ``(ep, tp)``
+    mesh whose ep ranks are the data-parallel ones: every parameter there lives on that one mesh (torch's own
+    ``clip_grad_norm_`` covers them), which transformers' layouts do not have."""
+    return layout.tp.size() == 1 and layout.dp is not None and (layout.ep is None or layout.expert_dp is not None)
 
 
 def _experts_left(model: nn.Module, plan: dict[str, ParallelStyle], ep_size: int) -> dict[str, ParallelStyle]:
@@ -220,7 +232,7 @@ def place(model: nn.Module, plan: dict[str, ParallelStyle], layout: Layout, para
     keep = bool(opts and opts.keep_quantized)
     if keep:  # FP8 layers in, before the plan places them (headers only)
         keep_fp8_weights(model, path, plan)
-    apply_plan(model, layout.tp, plan, ep_mesh=layout.ep)
+    apply_plan(model, layout.tp, plan, ep_mesh=layout.ep, replicate_rest=not plain_below_fsdp(layout))
     if keep:
         place_scales(model)
     same_draws_in_training(model, layout.tp)  # replicated random ops (router jitter, dropout) agree across TP
@@ -283,9 +295,10 @@ def _ep_size(model: nn.Module, layout: Layout) -> int:
 
 
 def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle | str],
-               ep_mesh: DeviceMesh | None = None) -> nn.Module:
+               ep_mesh: DeviceMesh | None = None, *, replicate_rest: bool = True) -> nn.Module:
     """Apply ``plan`` (names or ``*`` patterns -> styles or style names), then replicate every parameter left
-    as a plain tensor. ``ExpertParallel`` entries go on ``ep_mesh`` when given (a 2-D ``(ep, tp)`` mesh whose
+    as a plain tensor (unless ``replicate_rest`` is False: for FSDP2 at a TP size of 1, which places those as
+    transformers' FSDP2 does). ``ExpertParallel`` entries go on ``ep_mesh`` when given (a 2-D ``(ep, tp)`` mesh whose
     ``tp`` dimension is ``mesh``), on ``mesh`` otherwise. Where the output projection is split over the
     vocabulary, forwards with labels take the loss from the split logits
     (:func:`hf_moe_tp.parallel.loss.split_loss`; ``model.hf_moe_tp.split_loss`` says whether). Every
@@ -293,7 +306,7 @@ def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle
     accelerate, PEFT and the Trainer (:mod:`hf_moe_tp.integrations.switch`), then applies the plan with
     :func:`hf_moe_tp.parallel.plans.parallelize`."""
     enable()
-    return plans.parallelize(model, mesh, plan, ep_mesh=ep_mesh)
+    return plans.parallelize(model, mesh, plan, ep_mesh=ep_mesh, replicate_rest=replicate_rest)
 
 
 class LoadError(agreement.RanksFailed):

@@ -25,10 +25,11 @@ CASES = {  # from_pretrained arguments, resize arguments, the TP placement of th
     "shrink": (dict(), dict(new_num_tokens=120, mean_resizing=False), Shard(0), 2),
     "pad_to_multiple": (dict(), dict(new_num_tokens=129, pad_to_multiple_of=16, mean_resizing=False), Shard(0), 2),
     "ep_grow_mean": (dict(ep_size=2), dict(new_num_tokens=140), Shard(0), 2),
-    "fsdp_grow_mean": (dict(fsdp_size=2), dict(new_num_tokens=131), Shard(0), 2),  # TP 1: every count divides
+    # TP 1: no tp dimension (plain parameters before FSDP2, as transformers holds them)
+    "fsdp_grow_mean": (dict(fsdp_size=2), dict(new_num_tokens=131), None, 2),
     "fsdp_tp_grow_split": (dict(fsdp_size=2), dict(new_num_tokens=136, mean_resizing=False), Shard(0), 4),
     "fsdp_tp_shrink_replicated": (dict(fsdp_size=2), dict(new_num_tokens=119, mean_resizing=False), Replicate(), 4),
-    "hsdp_grow_mean": (dict(dp_replicate_size=2, fsdp_size=2), dict(new_num_tokens=133), Shard(0), 4),  # TP 1
+    "hsdp_grow_mean": (dict(dp_replicate_size=2, fsdp_size=2), dict(new_num_tokens=133), None, 4),  # TP 1
 }
 
 
@@ -40,6 +41,12 @@ def checkpoints(tmp_path_factory):
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _tp_placement(t: torch.Tensor):
+    """``t``'s placement on the ``tp`` dimension of its mesh; None where it has none."""
+    names = (t.device_mesh.mesh_dim_names or ()) if isinstance(t, DTensor) else ()
+    return t.placements[names.index("tp")] if "tp" in names else None
 
 
 def _over_batches(t: torch.Tensor) -> bool:
@@ -71,7 +78,7 @@ def _resize(path: str, kwargs: dict, resize: dict, out: str) -> dict:
     count = ref_emb.weight.shape[0]
     facts = {
         "count": (emb.weight.shape[0], head.weight.shape[0], model.config.vocab_size, emb.num_embeddings, count),
-        "placements": (emb.weight.placements[-1:], head.weight.placements[-1:]),  # the TP placement
+        "placements": (_tp_placement(emb.weight), _tp_placement(head.weight)),
         "fsdp": sharded,
         "tied": head.weight is emb.weight,
         "old_logits": (after[..., :min(new, old_vocab)] - before[..., :min(new, old_vocab)]).abs().max().item(),
@@ -107,9 +114,9 @@ def test_resize_matches_transformers(ranks, checkpoints, tmp_path, case, tied):
     for r in results:
         assert r["count"] == (count,) * 5, r
         if tied == "tied":  # tied embeddings stay whole on every rank (the plan keeps them so), and tied
-            assert r["tied"] and r["placements"] == ((Replicate(),),) * 2, r
+            assert r["tied"] and r["placements"] == (placement and Replicate(),) * 2, r
         else:
-            assert r["placements"] == ((placement,),) * 2, r
+            assert r["placements"] == (placement,) * 2, r
         assert r["fsdp"] == (("fsdp_size" in kwargs,) * 2), r
         assert r["old_logits"] == 0.0 and r["embeddings"] == 0.0 and r["head"] == 0.0, r
         assert r["logits"] <= 1e-5 and r["loss"] <= 1e-5 and r["grad"] <= 1e-5, r

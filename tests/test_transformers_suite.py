@@ -27,11 +27,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * distributed_testing_util
 # Through hf_moe_tp, the tests known to fail, and why (the gaps issue 39's closing note names), by test name or by
 # "family-test name". Each must fail: one that passes fails the run until it is taken off this list.
 KNOWN = {
-    **{f"test_hsdp_grad_accumulation_vs_single_device_{label}": "at a TP size of 1 hf_moe_tp's parameters keep a "
-       "tp dimension of size 1, so FSDP2's mesh is (dp_replicate, fsdp, tp) where the test asserts transformers' "
-       "(dp_replicate, fsdp); with that assertion removed the rest passes "
-       "(checked on mixtral, deepseek_v3, gpt_oss, qwen3_moe)"
-       for label in ("0_replicate_and_shard", "1_replicate_only", "2_expert_parallel")},
     "test_fsdp2_sharding_structure_1_tied":
         "tied embeddings (one parameter) stay in the root unit; transformers wraps the embedding alone and ties the "
         "head to it again after loading",
@@ -42,7 +37,13 @@ KNOWN = {
                     "test_fsdp2_save_load", "test_fsdp2_save_load_dcp", "test_fsdp2_sharding_structure_0_untied",
                     "test_hsdp_save_load", "test_hsdp_save_load_dcp", "test_tp_unit_plan_forward_backward",
                     "test_fsdp2_expert_parallel_2d_vs_ddp", "test_fsdp2_expert_parallel_bf16_grads_0_experts_sharded",
-                    "test_fsdp2_expert_parallel_bf16_grads_1_experts_not_sharded")},
+                    "test_fsdp2_expert_parallel_bf16_grads_1_experts_not_sharded",
+                    *(f"test_hsdp_grad_accumulation_vs_single_device_{label}"
+                      for label in ("0_replicate_and_shard", "1_replicate_only", "2_expert_parallel")))},
+    "qwen4_exp_text-test_hsdp_grad_accumulation_vs_single_device_0_replicate_and_shard": "fails on plain "
+        "transformers too (its loss at step 0): the sparse-attention indexer picks its top-k positions, which a "
+        "summation-order difference can flip (through hf_moe_tp: every loss within 1e-5, the grad norm 1.2% off at "
+        "step 4 of 4)",
     **{f"{family}-test_fsdp2_plan_vs_ddp_{label}": "fails on plain transformers too: the DCP optimizer checkpoint "
        "has no state for parameters that had no gradient before it (the indexer's, the compressor's), so the resume "
        "raises 'Missing key in checkpoint state_dict: optimizer.state...step'"

@@ -310,10 +310,11 @@ CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)  # modules whose parent may cal
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle | str],
-               ep_mesh: DeviceMesh | None = None) -> nn.Module:
+               ep_mesh: DeviceMesh | None = None, *, replicate_rest: bool = True) -> nn.Module:
     """Apply ``plan`` (names or ``*`` patterns -> styles or style names), then replicate every parameter left
-    as a plain tensor. ``ExpertParallel`` entries go on ``ep_mesh`` when given (a 2-D ``(ep, tp)`` mesh whose
-    ``tp`` dimension is ``mesh``), on ``mesh`` otherwise. Where the output projection is split over the
+    as a plain tensor (unless ``replicate_rest`` is False: FSDP2 at a TP size of 1 places those).
+    ``ExpertParallel`` entries go on ``ep_mesh`` when given (a 2-D ``(ep, tp)`` mesh whose ``tp`` dimension is
+    ``mesh``), on ``mesh`` otherwise. Where the output projection is split over the
     vocabulary, forwards with labels take the loss from the split logits (:func:`hf_moe_tp.parallel.loss.split_loss`;
     ``model.hf_moe_tp.split_loss`` says whether). Every GroupedExperts counts its tokens
     (:func:`hf_moe_tp.tokens_per_expert`). Changes no other library: the public :func:`hf_moe_tp.apply_plan`
@@ -327,7 +328,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyl
         plan = {k: v for k, v in plan.items() if k not in experts}
     parallelize_module(model, mesh, plan)
     leftovers = {}
-    for name, module in model.named_modules():
+    for name, module in model.named_modules() if replicate_rest else ():
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             leftovers[name] = LocalParams(sum_grads=False)
     if leftovers:

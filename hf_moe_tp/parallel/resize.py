@@ -110,9 +110,9 @@ def _same_on_every_rank(new: torch.Tensor, old_rows: int) -> torch.Tensor:
 
 
 def _place(model: nn.Module, module: nn.Module, tensors: dict[str, torch.Tensor], rows: int) -> None:
-    """``module`` with plain ``tensors`` as its parameters, placed again: its style on the TP mesh where ``rows``
-    divides by the TP size, replicated (computed locally) otherwise; the placement's hooks of before removed; then,
-    under FSDP2, each parameter handed to FSDP2 again in its unit."""
+    """``module`` with plain ``tensors`` as its parameters, placed again: where the plan placed it, its style on
+    the TP mesh where ``rows`` divides by the TP size, replicated (computed locally) otherwise, the placement's hooks
+    of before removed; then, under FSDP2, each parameter handed to FSDP2 again in its unit."""
     split = [p for p in (module._parameters[name] for name in tensors) if isinstance(p, DTensor)]
     # the model's TP mesh: under FSDP2 a parameter's mesh also holds the data-parallel dimensions
     state = placed(model)
@@ -120,13 +120,12 @@ def _place(model: nn.Module, module: nn.Module, tensors: dict[str, torch.Tensor]
     _drop_placement_hooks(module)
     for name, tensor in tensors.items():
         module._parameters[name] = nn.Parameter(tensor, requires_grad=module._parameters[name].requires_grad)
-    if not split or mesh is None:  # never placed (a model of one process): plain parameters
-        return
     style = getattr(module, STYLE, None)
-    if style is None or (isinstance(style, VocabParallelEmbedding | LocalColwiseParallel) and rows % mesh.size()):
-        style = LocalParams(sum_grads=False)
-    style._apply(module, mesh)
-    setattr(module, STYLE, style)
+    if split and mesh is not None and style is not None:  # not where no plan placed it (one process, FSDP2 at TP 1)
+        if isinstance(style, VocabParallelEmbedding | LocalColwiseParallel) and rows % mesh.size():
+            style = LocalParams(sum_grads=False)
+        style._apply(module, mesh)
+        setattr(module, STYLE, style)
     for name in tensors:
         fsdp_replace_param(model, module, name)
 
