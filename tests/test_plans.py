@@ -171,8 +171,8 @@ def test_experts_the_split_would_cut_stay_whole(fake_ranks, caplog):
 def test_fsdp_units_are_transformers(tied):
     """FSDP2's units are those of the model's own FSDP plan, as transformers' FSDP2 applies it (its test mixin's
     rule): the root, every decoder layer, the input embedding, the final norm with the output projection; tied
-    embeddings (one parameter) stay in the root, where transformers wraps the embedding alone; on 2 data-parallel
-    ranks x TP 2 on the meta device."""
+    embeddings (one parameter): the embedding's unit in the head's place, the head sharing its weight; on 2
+    data-parallel ranks x TP 2 on the meta device."""
     from transformers.distributed.fsdp import _resolve_tied_embed_lm_head_plan
 
     from hf_moe_tp import ParallelConfig, pretrained
@@ -183,10 +183,10 @@ def test_fsdp_units_are_transformers(tied):
         model = meta_model(config)
         resolved = _resolve_tied_embed_lm_head_plan(model.fsdp_plan, model)
         want = {""} | {n for n, _ in model.named_modules() if any(plans.matches(n, p) for p in resolved)}
-        want -= {"model.embed_tokens"} if tied else set()
         parallel = ParallelConfig(fsdp_size=2)
         layout = pretrained.make_layout(parallel)
         pretrained.place(model, pretrained.make_plan(model, parallel, layout), layout, parallel)
         got = {n for n, m in model.named_modules() if type(m).__name__.startswith("FSDP")}
+        shared = model.lm_head.weight is model.model.embed_tokens.weight
     assert got == want, (sorted(got - want), sorted(want - got))
-    assert "model.norm" in got and ("lm_head" in got) != tied and ("model.embed_tokens" in got) != tied
+    assert "model.norm" in got and ("lm_head" in got) != tied and "model.embed_tokens" in got and shared == tied

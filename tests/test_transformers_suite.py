@@ -27,14 +27,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * distributed_testing_util
 # Through hf_moe_tp, the tests known to fail, and why (the gaps issue 39's closing note names), by test name or by
 # "family-test name". Each must fail: one that passes fails the run until it is taken off this list.
 KNOWN = {
-    "test_fsdp2_sharding_structure_1_tied":
-        "tied embeddings (one parameter) stay in the root unit; transformers wraps the embedding alone and ties the "
-        "head to it again after loading",
     # fail on plain transformers too (HF_SUITE_MODE=transformers), for the same reason
     **{f"dots3_note_text-{name}": "fails on plain transformers too: the mixin reads config.num_attention_heads / "
        "head_dim, per-layer attributes of this config (AmbiguousGlobalPerLayerAttributeError)"
        for name in ("test_fsdp2_bf16_training", "test_fsdp2_plan_vs_ddp_0_untied", "test_fsdp2_plan_vs_ddp_1_tied",
                     "test_fsdp2_save_load", "test_fsdp2_save_load_dcp", "test_fsdp2_sharding_structure_0_untied",
+                    "test_fsdp2_sharding_structure_1_tied",
                     "test_hsdp_save_load", "test_hsdp_save_load_dcp", "test_tp_unit_plan_forward_backward",
                     "test_fsdp2_expert_parallel_2d_vs_ddp", "test_fsdp2_expert_parallel_bf16_grads_0_experts_sharded",
                     "test_fsdp2_expert_parallel_bf16_grads_1_experts_not_sharded",
@@ -61,11 +59,6 @@ KNOWN = {
     "glm4_moe_lite-test_fsdp2_expert_parallel_2d_vs_ddp": "round-off, through us only: 20 AdamW steps amplify "
                                                          "fp32 summation-order differences past the mixin's 1e-5 "
                                                          "(grad norm 3.108423 vs 3.108476 at step 18)",
-    # through us only, the same on torch 2.13 and 2.14, after all 20 losses and 19 or 20 grad norms within 1e-5
-    **{f"{family}-test_fsdp2_plan_vs_ddp_0_untied": "round-off: 20 AdamW steps amplify fp32 summation-order "
-       "differences (hf_moe_tp's grouped experts and vocabulary-split loss against transformers' eager DDP) past the "
-       "mixin's 1e-5 (glm4_moe_lite: grad norm 5.683053 vs 5.683129 at step 19; beam: a final weight)"
-       for family in ("glm4_moe_lite", "beam")},
     # skipped by the mixin itself where torchao is not installed (it is not in our test extras)
     "test_tp_generation_quantized": "TorchAoConfig (quant_method 'torchao', quantized after loading) is refused by "
                                     "name: hf_moe_tp reads fp8 and mxfp4 checkpoints",

@@ -4,11 +4,11 @@
 decoder layer, the input embedding, the final norm with the output projection), with torchtitan's refinements (the
 last layer and the output projection kept gathered from forward to backward, which needs them first; the input
 embedding not gathered again for backward, which does not read it), and on modules holding another dtype than their
-unit (float32-kept routers in a bf16 model), then
-on the root (the rest), over the
-data-parallel mesh: one dimension (FSDP) or two (``dp_replicate``, ``dp_shard``: HSDP). The parameters are
-already DTensors on the tensor-parallel mesh, so FSDP2 makes them DTensors on the parent mesh (data-parallel
-dims first, then ``tp``): every parameter lives on that one mesh, and one ``clip_grad_norm_`` call covers all.
+unit (float32-kept routers in a bf16 model), then on the root (the rest), over the data-parallel mesh: one
+dimension (FSDP) or two (``dp_replicate``, ``dp_shard``: HSDP). Parameters already DTensors on the tensor-parallel
+mesh become DTensors on the parent mesh (data-parallel dims first, then ``tp``): every parameter lives on that one
+mesh, and one ``clip_grad_norm_`` call covers all. At a TP size of 1 they are plain tensors before (as in
+transformers) and DTensors on the data-parallel mesh after.
 
 Experts split over an ``"ep"`` dimension that also carries the data-parallel batches (the ``(ep, tp)`` layout
 of :func:`hf_moe_tp.from_pretrained`) are whole per rank already: FSDP leaves them (``ignored_params``), and
@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from .._compat import MODEL_FSDP_MANAGED, MODEL_FSDP_PLAN, MODEL_NO_SPLIT
+from .._compat import MODEL_FSDP_MANAGED, MODEL_FSDP_PLAN, MODEL_NO_SPLIT, fsdp_share_param
 from .expert_parallel import ExpertParallel
 from .hf_plan import matches
 from .model_state import placed, state_of, style_of
@@ -84,6 +84,8 @@ def shard_data_parallel(
         ignored = _expert_params_over_batches(model, dp_mesh)
     layers = decoder_layers(model)
     last = layers[-1] if layers else None
+    inputs, outputs = _embeddings(model)
+    tied = _tied(inputs, outputs)
     for modules, reshard in units(model):
         # the last layer is the first that backward needs: resharding it after forward would only re-gather it
         reshard = reshard and reshard_after_forward and modules[-1] is not last
@@ -91,6 +93,9 @@ def shard_data_parallel(
             fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None, **kwargs)
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=dp_mesh, reshard_after_forward=reshard,
                     ignored_params=ignored or None, **kwargs)
+        if tied and any(m is inputs for m in modules):  # the tied head uses the embedding unit's weight
+            fsdp_share_param(inputs, inputs, "weight", outputs, "weight")
+            ignored = ignored | {inputs.weight}  # not the root's too
         if reshard and len(modules) == 1 and _lookup_only(modules[0]):
             modules[0].set_unshard_in_backward(False)  # a lookup's gradient needs the indices, not the table
     for unit in _other_dtype_units(model, ignored):
@@ -199,8 +204,9 @@ def units(model: nn.Module) -> list[tuple[list[nn.Module], bool]]:
     order they are sharded: transformers' FSDP plan of the model (``fsdp_plan``: its class's and its config's
     ``base_model_fsdp_plan``, decoder layers and embeddings ``free_full_weight``, the final norm and output
     projection ``keep_full_weight``), resolved as transformers resolves it (the final norm and the output projection
-    one unit; deeper modules first), so the model's FSDP2 units are transformers' own; but tied input and output
-    embeddings, one parameter, stay in the root unit.
+    one unit; deeper modules first), so the model's FSDP2 units are transformers' own. Tied input and output
+    embeddings (one parameter) are one unit, the input embedding's, kept gathered from forward to backward as the
+    output projection's would be (transformers' ``_resolve_tied_embed_lm_head_plan``); the head shares its weight.
     Without a plan that names every decoder layer: each decoder layer and the embeddings (torchtitan's grouping)."""
     found = _plan_units(model)
     covered = {id(m) for modules, _ in found for m in modules}
@@ -212,11 +218,11 @@ def units(model: nn.Module) -> list[tuple[list[nn.Module], bool]]:
 def _plan_units(model: nn.Module) -> list[tuple[list[nn.Module], bool]]:
     plan = dict(getattr(model, MODEL_FSDP_PLAN, None) or {})
     names = {m: n for n, m in model.named_modules()}
-    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if _tied(inputs, outputs) and inputs in names and outputs in names:  # one weight: both stay in the root unit
-        plan.pop(names[inputs], None)  # (transformers wraps the embedding alone and ties the head to it again after
-        plan.pop(names[outputs], None)  # loading; a unit of its own here would part the two before the read)
+    inputs, outputs = _embeddings(model)
+    if _tied(inputs, outputs) and inputs in names and outputs in names:  # one weight: the embedding's unit, kept
+        plan.pop(names[inputs], None)  # gathered in place of the head's where the head's is (as transformers)
+        if plan.pop(names[outputs], None) == "keep_full_weight":
+            plan[names[inputs]] = "keep_full_weight"
     rules = [(name, style) for pattern, style in plan.items() for name in names.values() if matches(name, pattern)]
     rules.sort(key=lambda rule: -rule[0].count("."))  # a submodule sharded before the module holding it
     modules = dict(model.named_modules())
@@ -228,20 +234,26 @@ def _plan_units(model: nn.Module) -> list[tuple[list[nn.Module], bool]]:
     return free + [([m], False) for m in keep]
 
 
+def _embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return inputs, outputs
+
+
 def _tied(inputs: nn.Module | None, outputs: nn.Module | None) -> bool:
     return (isinstance(inputs, nn.Module) and isinstance(outputs, nn.Module)
             and any(p is q for p in inputs.parameters() for q in outputs.parameters()))
 
 
 def _embedding_units(model: nn.Module) -> list[tuple[nn.Module, bool]]:
-    """The input and output embeddings as units of their own (torchtitan's grouping), unless tied (one
-    parameter, so both stay in the root): the input's is gathered for the first op of forward and again for
-    the last of backward; the output projection, last in forward and first in backward, is kept gathered
-    between the two (``False``: no reshard after forward)."""
-    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    found = [(m, reshard) for m, reshard in ((inputs, True), (outputs, False)) if isinstance(m, nn.Module)]
-    return [] if _tied(inputs, outputs) else found
+    """The input and output embeddings as units of their own (torchtitan's grouping): the input's is gathered for
+    the first op of forward and again for the last of backward; the output projection, last in forward and first
+    in backward, is kept gathered between the two (``False``: no reshard after forward). Tied (one parameter): the
+    input's alone, kept gathered so."""
+    inputs, outputs = _embeddings(model)
+    if _tied(inputs, outputs):
+        return [(inputs, False)]
+    return [(m, reshard) for m, reshard in ((inputs, True), (outputs, False)) if isinstance(m, nn.Module)]
 
 
 def _lookup_only(module: nn.Module) -> bool:
