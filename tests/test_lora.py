@@ -80,8 +80,10 @@ def placement_report(model, adapter: str = "default") -> dict:
             in_dim, out_dim, rank = 1, 0, r
         names = base.device_mesh.mesh_dim_names or ()
         by_experts = hasattr(layer, "get_param") and "ep" in names  # an (ep, tp) mesh: experts split over ep
-        tp = names.index("ep" if by_experts else "tp") if base.device_mesh.ndim > 1 else 0
-        split = base.placements[tp] if base.device_mesh.size(tp) > 1 else Replicate()
+        split_dim = "ep" if by_experts else "tp"
+        # a mesh of data-parallel dimensions alone (FSDP2 at a TP size of 1): nothing split, tp is None
+        tp = names.index(split_dim) if split_dim in names else 0 if names in ((), ("tp",)) else None
+        split = base.placements[tp] if tp is not None and base.device_mesh.size(tp) > 1 else Replicate()
         if split == Shard(0) and hasattr(layer, "get_param"):  # ExpertParallel: by experts, PEFT's layouts
             want = (Shard(0), _StridedShard(1, split_factor=r))
         elif split == Shard(in_dim):
@@ -94,7 +96,9 @@ def placement_report(model, adapter: str = "default") -> dict:
             want = (Replicate(), Replicate())
         kinds.add(want)
         whole = a.shape == (rank, base.shape[in_dim]) and b.shape == (base.shape[out_dim], rank)
-        if (a.placements[tp], b.placements[tp]) != want or not whole:
+        got = (a.placements[tp], b.placements[tp]) if tp is not None else tuple(
+            Replicate() if all(x == Replicate() for x in t.placements) else t.placements for t in (a, b))
+        if got != want or not whole:
             wrong.append((name, a.placements, b.placements, tuple(a.shape), tuple(b.shape)))
         whole_a, whole_b = a.full_tensor(), b.full_tensor()
         sums.append((whole_a.double().sum().item(), whole_b.double().sum().item()))
@@ -205,7 +209,9 @@ EXPERT_LAYOUTS = {"tp2": (2, {}), "tp4": (4, {}), "dp2_tp2": (4, dict(fsdp_size=
                   # experts over ep, attention over tp, a batch per ep coordinate, FSDP2 of the dense layers over ep
                   "ep2_tp2_fsdp": (4, dict(mesh=(("ep", 2), ("tp", 2)), fsdp_size=2)),
                   # TP size 1: experts over the data-parallel ranks, one each
-                  "ep4_fsdp4": (4, dict(fsdp_size=4, ep_size=4))}
+                  "ep4_fsdp4": (4, dict(fsdp_size=4, ep_size=4)),
+                  # TP size 1, FSDP2 alone: plain parameters before FSDP2, the adapters replicated over its ranks
+                  "dp4": (4, dict(fsdp_size=4))}
 
 
 @pytest.mark.parametrize("layout", sorted(EXPERT_LAYOUTS))
@@ -220,7 +226,8 @@ def test_lora_on_routed_experts(ranks, checkpoints, tmp_path, layout):  # noqa: 
     results = ranks(world).run(_lora_training, checkpoints("mixtral"), kwargs, EXPERTS, STEPS, str(tmp_path / "a"))
     by_experts = (Shard(0), _StridedShard(1, split_factor=4)) if "ep" in layout else None  # ExpertParallel
     for r in results:
-        assert r["layers"] == 8 and r["same_keys"] and (r["column_and_row_wise"] or layout == "ep4_fsdp4"), r
+        tp_size_1 = layout in ("ep4_fsdp4", "dp4")  # nothing split over tp
+        assert r["layers"] == 8 and r["same_keys"] and r["column_and_row_wise"] != tp_size_1, r
         assert (by_experts in r["kinds"]) == (by_experts is not None), r["kinds"]
         assert len(set(r["sums"])) == len(r["sums"]), r["sums"]  # every adapter its own draw
         assert r["all_dtensor"] and r["meshes"] == 1 and not r["wrong"] and r["ranks_agree"], r

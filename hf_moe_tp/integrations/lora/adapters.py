@@ -21,7 +21,7 @@ from ...parallel.styles import (
     swap_back,
     swap_in,
 )
-from .checks import EXPERT_WEIGHTS, UnsupportedLoraError, _ep_dim, _tp_dim
+from .checks import EXPERT_WEIGHTS, UnsupportedLoraError, _ep_dim, _tp_dim, below_fsdp
 from .placement import _distribute, _draw_whole, _MeanGradOver, _Placement
 
 
@@ -45,7 +45,7 @@ def shard_adapter(layer: nn.Module, adapter: str, config: Any, name: str = "") -
     base = layer.get_base_layer()
     style = style_of(base)
     weight = base.weight
-    if style is None or not isinstance(weight, DTensor):
+    if (style is None and not below_fsdp(weight, where)) or not isinstance(weight, DTensor):
         raise UnsupportedLoraError(f"LoRA on {where}: its base layer was not parallelized by hf_moe_tp's plan")
     placement = _Placement(style, where, weight.device_mesh)
     a, b = _draw_whole(layer, adapter, config, base.in_features, base.out_features)
@@ -118,7 +118,8 @@ def _shard_expert_adapter(layer: nn.Module, adapter: str, where: str) -> None:
     if type(style_of(base)) is ExpertParallel:
         local_of = _place_by_experts(layer, adapter, weight, where)
     else:
-        split = weight.placements[_tp_dim(weight.device_mesh, where)]
+        tp_dim = _tp_dim(weight.device_mesh, where)
+        split = Replicate() if tp_dim is None else weight.placements[tp_dim]
         placement = _Placement(style_of(base), where, weight.device_mesh, kind="experts")
         # PEFT's in_features are dim 2 of (E, out, in), dim 1 of a transposed (E, in, out): a split input splits A's
         # columns, a split output B's rows, as the weight's (a packed gate/up: each half's rows)
@@ -132,7 +133,8 @@ def _shard_expert_adapter(layer: nn.Module, adapter: str, where: str) -> None:
         to_local = {"replicated": placement.to_local(sum_tp=True), "split": placement.to_local(sum_tp=False)}
 
         def local_of(p: DTensor) -> torch.Tensor:
-            return to_local["replicated" if p.placements[placement.tp_dim] == Replicate() else "split"](p)
+            tp = Replicate() if placement.tp_dim is None else p.placements[placement.tp_dim]
+            return to_local["replicated" if tp == Replicate() else "split"](p)
 
     if "_hf_moe_tp_local" not in vars(layer):
         layer._hf_moe_tp_local = True

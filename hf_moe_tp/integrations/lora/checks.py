@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard
 
+from ...parallel.meshes import DP_REPLICATE_NAMES, DP_SHARD_NAMES
 from ...parallel.model_state import style_of
 
 # init_lora_weights values drawn without reading the base weights: PEFT's own draws, at the whole shapes
@@ -74,7 +75,8 @@ def _check_target_parameter(target: str, model: nn.Module) -> None:
                                    "which the adapter's fold hides; LoRA on their down_proj is not supported under "
                                    "TensorParallel yet (gate_up_proj is; ExpertParallel, whose ranks hold whole "
                                    "experts, takes down_proj too)")
-    unsplit = [name for name, style in styles.items() if type(style) not in (TensorParallel, ExpertParallel)]
+    unsplit = [name for name, style in styles.items() if type(style) not in (TensorParallel, ExpertParallel)
+               and not _below_fsdp(model.get_submodule(name))]
     if unsplit:
         raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r}: the experts {unsplit[0]} run "
                                    f"{styles[unsplit[0]]!r}; LoRA on experts is supported under TensorParallel and "
@@ -131,10 +133,27 @@ def _ep_dim(mesh: DeviceMesh, where: str) -> int:
 EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
 
 
-def _tp_dim(mesh: DeviceMesh, where: str) -> int:
+def _tp_dim(mesh: DeviceMesh, where: str) -> int | None:
+    """The dimension of ``mesh`` (a weight's) that splits over the TP ranks; None on a mesh of data-parallel
+    dimensions alone (FSDP2 at a TP size of 1: nothing split over ``tp``)."""
     names = mesh.mesh_dim_names or ()
+    if names and all(n in DP_SHARD_NAMES + DP_REPLICATE_NAMES for n in names):
+        return None
     if mesh.ndim == 1:
         return 0
     if "tp" in names:
         return names.index("tp")
     raise UnsupportedLoraError(f"LoRA on {where}: its weight's mesh {names} has no 'tp' dimension")
+
+
+def below_fsdp(weight: Any, where: str) -> bool:
+    """Whether ``weight`` is FSDP2's over data-parallel dimensions alone: a model at a TP size of 1, which no plan
+    placed (its parameters plain before FSDP2, as transformers holds them); its adapters are then replicated over
+    those dimensions, their gradients averaged."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(weight, DTensor) and _tp_dim(weight.device_mesh, where) is None
+
+
+def _below_fsdp(experts: nn.Module) -> bool:
+    return below_fsdp(getattr(experts, "down_proj", None), type(experts).__name__)

@@ -54,7 +54,8 @@ def _distribute(module: nn.Linear, placement: _Placement, split: Placement) -> N
     for pname, p in list(module.named_parameters(recurse=False)):
         tp_placement = split if pname == "weight" or shard_dim(split, 2) == 0 else Replicate()
         placements = [Replicate()] * placement.mesh.ndim
-        placements[placement.tp_dim] = tp_placement
+        if placement.tp_dim is not None:
+            placements[placement.tp_dim] = tp_placement
         dt = distribute(p.detach(), placement.mesh, placements, 0)
         module.register_parameter(pname, nn.Parameter(dt, requires_grad=p.requires_grad))
 
@@ -62,10 +63,10 @@ def _distribute(module: nn.Linear, placement: _Placement, split: Placement) -> N
 class _Placement:
     """Where an adapter's factors go for a base layer of ``style``, and the hooks that compute with them."""
 
-    def __init__(self, style: ParallelStyle, where: str, mesh: DeviceMesh, kind: str | None = None) -> None:
+    def __init__(self, style: ParallelStyle | None, where: str, mesh: DeviceMesh, kind: str | None = None) -> None:
         self.style, self.where, self.mesh = style, where, mesh
-        self.tp_dim = _tp_dim(mesh, where)
-        self.tp_mesh = mesh if mesh.ndim == 1 else mesh["tp"]
+        self.tp_dim = _tp_dim(mesh, where)  # None: FSDP2 at a TP size of 1, nothing split over tp
+        self.tp_mesh = None if self.tp_dim is None else mesh if mesh.ndim == 1 else mesh["tp"]
         self.dp_groups = [mesh.get_group(d) for d in range(mesh.ndim) if d != self.tp_dim and mesh.size(d) > 1]
         self.dp_size = math.prod(mesh.size(d) for d in range(mesh.ndim) if d != self.tp_dim)
         self.kind = kind or self._kind()
@@ -74,7 +75,7 @@ class _Placement:
 
     def _kind(self) -> str:
         style = self.style
-        if self.tp_mesh.size() == 1:
+        if self.tp_mesh is None or self.tp_mesh.size() == 1:
             return "replicated"
         if type(style) in (ColwiseParallel, LocalColwiseParallel):
             if style.input_layouts != (Replicate(),) or len(style.output_layouts) != 1:
@@ -98,7 +99,7 @@ class _Placement:
                                    "the tensor-parallel model")
 
     def hook(self, layer: nn.Module, adapter: str, a: nn.Linear, b: nn.Linear) -> None:
-        group = self.tp_mesh.get_group() if self.tp_mesh.size() > 1 else None
+        group = self.tp_mesh.get_group() if self.tp_mesh is not None and self.tp_mesh.size() > 1 else None
         style = self.style
         if self.kind == "colwise":
             _compute_locally(a, self.to_local(sum_tp=False))
@@ -145,7 +146,7 @@ class _Placement:
             _compute_locally(b, self.to_local(sum_tp=sum_tp))
 
     def to_local(self, sum_tp: bool) -> Callable[[DTensor], torch.Tensor]:
-        group = self.tp_mesh.get_group() if sum_tp else None
+        group = self.tp_mesh.get_group() if sum_tp and self.tp_mesh is not None else None
         dp_groups, dp_size = self.dp_groups, self.dp_size
 
         def to_local(p: DTensor) -> torch.Tensor:
