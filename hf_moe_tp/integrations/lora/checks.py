@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from ...parallel.meshes import DP_REPLICATE_NAMES, DP_SHARD_NAMES
 from ...parallel.model_state import style_of
@@ -75,8 +75,8 @@ def _check_target_parameter(target: str, model: nn.Module) -> None:
                                    "which the adapter's fold hides; LoRA on their down_proj is not supported under "
                                    "TensorParallel yet (gate_up_proj is; ExpertParallel, whose ranks hold whole "
                                    "experts, takes down_proj too)")
-    unsplit = [name for name, style in styles.items() if type(style) not in (TensorParallel, ExpertParallel)
-               and not _below_fsdp(model.get_submodule(name))]
+    unsplit = [name for name, module in hits if type(styles[name]) not in (TensorParallel, ExpertParallel)
+               and not below_fsdp(module.down_proj, name)]
     if unsplit:
         raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r}: the experts {unsplit[0]} run "
                                    f"{styles[unsplit[0]]!r}; LoRA on experts is supported under TensorParallel and "
@@ -150,10 +150,4 @@ def below_fsdp(weight: Any, where: str) -> bool:
     """Whether ``weight`` is FSDP2's over data-parallel dimensions alone: a model at a TP size of 1, which no plan
     placed (its parameters plain before FSDP2, as transformers holds them); its adapters are then replicated over
     those dimensions, their gradients averaged."""
-    from torch.distributed.tensor import DTensor
-
     return isinstance(weight, DTensor) and _tp_dim(weight.device_mesh, where) is None
-
-
-def _below_fsdp(experts: nn.Module) -> bool:
-    return below_fsdp(getattr(experts, "down_proj", None), type(experts).__name__)
