@@ -30,3 +30,26 @@ def test_groups_let_go_only_after_the_caller_destroyed_the_default_group():
         dist.destroy_process_group()
     shutdown._release()
     assert mesh_process_groups(root_mesh(tp)) == {} and mesh_process_groups(tp) == {}
+
+
+def test_declared_views_let_go_too():
+    """The meshes a model declares to transformers (views over its groups, and this rank's group of one) are let go
+    at exit as well, and nothing else of hf_moe_tp holds the world group (a weak reference only)."""
+    import types
+
+    from hf_moe_tp.parallel import meshes
+
+    _world_of_one()
+    try:
+        layout = meshes.Layout(init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)))
+        shutdown.release_at_exit(layout.tp)
+        model = types.SimpleNamespace(config=types.SimpleNamespace())
+        meshes.declare(model, layout)
+        dense, one = model._mesh_manager.dense, meshes._single[1]
+        assert all(shutdown._meshes.get(id(m)) is m for m in (dense, one)), "declared meshes not registered"
+        assert mesh_process_groups(dense) and mesh_process_groups(one)
+        assert meshes._single[0]() is dist.group.WORLD and not any(x is dist.group.WORLD for x in meshes._single)
+    finally:
+        dist.destroy_process_group()
+    shutdown._release()
+    assert mesh_process_groups(dense) == {} and mesh_process_groups(one) == {}

@@ -18,6 +18,7 @@ continuous batching, PEFT and its tests read.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -33,6 +34,7 @@ from .._compat import (
     MODEL_TP_SIZE,
     root_mesh,
 )
+from ..runtime.shutdown import release_at_exit
 from ..runtime.timeouts import DEFAULT_TIMEOUT_S
 from .model_state import placed
 
@@ -155,6 +157,7 @@ def declare(model: torch.nn.Module, layout: Layout, ep_size: int = 1) -> None:
                                                         ep_size=declared_ep)
     setattr(model, MODEL_TP_SIZE, tp)
     setattr(model, MODEL_FSDP_SIZE, shard)
+    release_at_exit(dense, experts)  # views holding the groups too: let go at exit with the rest (shutdown.py)
     setattr(model, MODEL_MESH_MANAGER, TransformersMeshes(dense, experts))
     setattr(model, MODEL_DEVICE_MESH, dense["pp", "fsdp", "tp"])
     setattr(model, MODEL_LOADED_DISTRIBUTED, True)
@@ -200,7 +203,7 @@ def _view(ranks: torch.Tensor, names: tuple[str, ...], groups: list[dist.Process
     found = []
     for dim in range(ranks.ndim):
         line = ranks[tuple(slice(None) if d == dim else i for d, i in enumerate(where))].tolist()
-        group = _alone() if len(line) == 1 else next(
+        group = _alone(device) if len(line) == 1 else next(
             (g for g in groups if dist.get_process_group_ranks(g) == line), None)
         if group is None:
             return DeviceMesh(device, ranks, mesh_dim_names=names)
@@ -208,15 +211,18 @@ def _view(ranks: torch.Tensor, names: tuple[str, ...], groups: list[dist.Process
     return DeviceMesh.from_group(found, device, ranks, mesh_dim_names=names)
 
 
-_single: list = [None, None]  # (the world it was made in, this rank's group of one)
+_single: list = [lambda: None, None]  # (the world it was made in, weakly; a mesh of this rank's group of one)
 
 
-def _alone() -> dist.ProcessGroup:
-    """This rank's group of one (made once per world; only this rank takes part). The world object is held, not its
-    id: a later world could reuse a freed object's id."""
-    if _single[0] is not dist.group.WORLD:
-        _single[:] = [dist.group.WORLD, dist.new_group([dist.get_rank()], use_local_synchronization=True)]
-    return _single[1]
+def _alone(device: str) -> dist.ProcessGroup:
+    """This rank's group of one (made once per world; only this rank takes part). The world is held by a weak
+    reference, not its id (a later world could reuse a freed object's id) nor itself (a gloo group freed in the
+    interpreter's finalization aborts the process: runtime/shutdown.py)."""
+    if _single[0]() is not dist.group.WORLD:
+        one = DeviceMesh.from_group(dist.new_group([dist.get_rank()], use_local_synchronization=True), device)
+        release_at_exit(one)  # a gloo group freed in the interpreter's finalization aborts the process
+        _single[:] = [weakref.ref(dist.group.WORLD), one]
+    return _single[1].get_group()
 
 
 def _world(layout: Layout) -> torch.Tensor:
