@@ -287,11 +287,12 @@ def fsdp_replace_param(model, module, name: str) -> bool:
     return False
 
 
-def fsdp_share_param(unit, module, name: str, sharer, sharer_name: str) -> None:
-    """Make ``sharer.<sharer_name>`` share ``module``'s parameter ``name``, which the FSDP2 ``unit`` (sharded already)
-    holds: ``sharer`` then gets the parameter FSDP2 swaps in and out (gathered, sharded) with ``module``'s, as FSDP2
-    records a parameter shared inside one unit (a tied output projection beside its input embedding's unit)."""
-    for fsdp_param in unit._get_fsdp_state()._fsdp_param_group.fsdp_params:
+def fsdp_share_param(module, name: str, sharer, sharer_name: str) -> None:
+    """Make ``sharer.<sharer_name>`` share ``module``'s parameter ``name``, which ``module``'s FSDP2 unit (sharded
+    already) holds: ``sharer`` then gets the parameter FSDP2 swaps in and out (gathered, sharded) with ``module``'s,
+    as FSDP2 records a parameter shared inside one unit (a tied output projection beside its input embedding's
+    unit)."""
+    for fsdp_param in module._get_fsdp_state()._fsdp_param_group.fsdp_params:
         info = fsdp_param._module_info
         if info.module is module and info.param_name == name:
             info.shared_modules.append(sharer)

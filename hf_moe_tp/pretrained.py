@@ -193,19 +193,9 @@ def make_plan(model: nn.Module, parallel: ParallelConfig, layout: Layout) -> dic
     if parallel.ep_dispatch is not None:
         plan = {n: ExpertParallel(input_layout=s.input_layout, dispatch=parallel.ep_dispatch)
                 if isinstance(s, ExpertParallel) else s for n, s in plan.items()}
-    if plain_below_fsdp(layout):  # nothing to split over one rank: the experts' ExpertParallel alone
+    if layout.plain_below_fsdp():  # nothing to split over one rank: the experts' ExpertParallel alone
         plan = {n: s for n, s in plan.items() if isinstance(s, ExpertParallel)}
     return plan
-
-
-def plain_below_fsdp(layout: Layout) -> bool:
-    """Whether ``layout`` splits nothing over ``tp`` (a TP size of 1) and has FSDP2 over its data-parallel mesh:
-    then every parameter but whole experts over an ``ep`` dimension stays a plain tensor until FSDP2 makes it a
-    DTensor over the data-parallel mesh alone, as transformers' FSDP2 holds it (``(dp_replicate, fsdp)``, not
-    ``(dp_replicate, fsdp, tp)`` with a ``tp`` of 1). The split loss is the whole loss there. Not on an ``(ep, tp)``
-    mesh whose ep ranks are the data-parallel ones: every parameter there lives on that one mesh (torch's own
-    ``clip_grad_norm_`` covers them), which transformers' layouts do not have."""
-    return layout.tp.size() == 1 and layout.dp is not None and (layout.ep is None or layout.expert_dp is not None)
 
 
 def _experts_left(model: nn.Module, plan: dict[str, ParallelStyle], ep_size: int) -> dict[str, ParallelStyle]:
@@ -229,11 +219,11 @@ def place(model: nn.Module, plan: dict[str, ParallelStyle], layout: Layout, para
     """Give the meta ``model`` its final layout before any byte is read: ``plan`` applied on ``layout``'s meshes
     (with ``keep_quantized``, the FP8 layers of the checkpoint at ``path`` first), random ops and sampling agreeing
     across TP, then FSDP2 over the data-parallel mesh."""
-    keep = bool(opts and opts.keep_quantized)
-    if keep:  # FP8 layers in, before the plan places them (headers only)
+    opts = opts or LoadOptions()
+    if opts.keep_quantized:  # FP8 layers in, before the plan places them (headers only)
         keep_fp8_weights(model, path, plan)
-    apply_plan(model, layout.tp, plan, ep_mesh=layout.ep, replicate_rest=not plain_below_fsdp(layout))
-    if keep:
+    apply_plan(model, layout.tp, plan, ep_mesh=layout.ep, replicate_rest=not layout.plain_below_fsdp())
+    if opts.keep_quantized:
         place_scales(model)
     same_draws_in_training(model, layout.tp)  # replicated random ops (router jitter, dropout) agree across TP
     if hasattr(model, "generate"):  # so do sampled tokens
@@ -249,9 +239,9 @@ def read(model: nn.Module, args: Resolved, layout: Layout, opts: LoadOptions | N
          threads: int | None = None, record_reads: bool = False) -> LoadReport:
     """Read this rank's slices of the checkpoint at ``args.path`` into the placed ``model`` (with ``read_once``,
     the first replica reads for the others) and its generation config; the report is ``model.hf_moe_tp.load_report``."""
-    replicas = None
+    opts, replicas = opts or LoadOptions(), None
     if has_replicas(layout):
-        read_once = opts.read_once if opts is not None else None
+        read_once = opts.read_once
         if read_once is None:  # several nodes: replicas would read through a shared filesystem
             read_once = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) < dist.get_world_size()
         replicas = layout.dp.get_group(0) if read_once else None

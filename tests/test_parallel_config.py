@@ -101,6 +101,7 @@ class _Mesh:
     (dict(keep_quantized=True), Layout(_Mesh(2), None, _Mesh(2)), "keep_quantized=True with FSDP2"),
     (dict(read_once=True), Layout(_Mesh(2), None, _Mesh(2)), "read_once=True needs replicas"),
     (dict(read_once=True), Layout(_Mesh(2), None, _Mesh(1, 2)), "read_once=True needs replicas"),
+    (dict(loss_parallel=True), Layout(_Mesh(1), None, _Mesh(4)), "loss_parallel=True at a TP size of 1 under FSDP2"),
 ])
 def test_refused_on_the_layout(fields, layout, named):
     config = _owner(fields)(**fields)
@@ -114,6 +115,8 @@ def test_refused_on_the_layout(fields, layout, named):
     (dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)), Layout(_Mesh(2), None, _Mesh(2))),
     (dict(read_once=True), Layout(_Mesh(2), None, _Mesh(2, 2))),
     (dict(read_once=False, keep_quantized=True), Layout(_Mesh(4))),
+    (dict(loss_parallel=True), Layout(_Mesh(2), None, _Mesh(2))),  # split over tp under FSDP2
+    (dict(loss_parallel=True), Layout(_Mesh(1), _Mesh(4, 1), _Mesh(4))),  # (ep, tp): one mesh, the head on it
 ])
 def test_taken_on_the_layout(fields, layout):
     _owner(fields)(**fields).check_layout(layout)

@@ -72,7 +72,8 @@ class ParallelConfig:
     split (:mod:`hf_moe_tp.parallel.loss`); the outputs' ``logits`` are gathered all the same. ``loss_parallel``: in a
     training-mode forward with ``labels`` they are not: they stay a DTensor split over the vocabulary
     (``.full_tensor()`` for the whole), saving the all-gather; otherwise (inference, ``generate``, evaluation
-    with labels) they are gathered as usual.
+    with labels) they are gathered as usual. Refused at a TP size of 1 under FSDP2, where nothing is split over
+    ``tp`` (:meth:`hf_moe_tp.parallel.meshes.Layout.plain_below_fsdp`).
     """
 
     # the plan and the sizes
@@ -114,7 +115,7 @@ class ParallelConfig:
     def check_layout(self, layout: Layout) -> None:
         """Refuse, by name, what this config cannot do on ``layout`` (the meshes
         :func:`hf_moe_tp.parallel.meshes.resolve_layout` gave): FSDP2's policies without data parallelism or with
-        experts over the data-parallel ranks."""
+        experts over the data-parallel ranks, ``loss_parallel`` where nothing is split over ``tp``."""
         mp, offload = self.mp_policy, self.offload_policy
         if layout.dp is not None and layout.ep is not None and (_casts(mp) or _offloads(offload)):
             # FSDP2 leaves experts that already sit over the data-parallel ranks to themselves (fsdp.py)
@@ -125,6 +126,10 @@ class ParallelConfig:
         if layout.dp is None and (mp is not None or offload is not None):
             raise ValueError("mp_policy and offload_policy are FSDP2's: they need fsdp_size, dp_replicate_size or "
                              "a device_mesh with a data-parallel dimension")
+        if self.loss_parallel and layout.plain_below_fsdp():
+            raise ValueError("loss_parallel=True at a TP size of 1 under FSDP2: nothing is split over tp there, so the "
+                             "logits are whole (no DTensor split over the vocabulary) and the loss is the whole "
+                             "loss already; load without loss_parallel")
 
     def changed(self) -> dict[str, Any]:
         """The fields set to other than their defaults, as keyword arguments of ``from_pretrained``."""

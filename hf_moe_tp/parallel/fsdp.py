@@ -94,7 +94,7 @@ def shard_data_parallel(
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=dp_mesh, reshard_after_forward=reshard,
                     ignored_params=ignored or None, **kwargs)
         if tied and any(m is inputs for m in modules):  # the tied head uses the embedding unit's weight
-            fsdp_share_param(inputs, inputs, "weight", outputs, "weight")
+            fsdp_share_param(inputs, "weight", outputs, "weight")
             ignored = ignored | {inputs.weight}  # not the root's too
         if reshard and len(modules) == 1 and _lookup_only(modules[0]):
             modules[0].set_unshard_in_backward(False)  # a lookup's gradient needs the indices, not the table

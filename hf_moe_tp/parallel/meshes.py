@@ -76,6 +76,16 @@ class Layout:
         """The meshes the model's collectives run on (those it has)."""
         return [m for m in (self.tp, self.ep, self.dp, self.expert_dp) if m is not None]
 
+    def plain_below_fsdp(self) -> bool:
+        """Whether this layout splits nothing over ``tp`` (a TP size of 1) and has FSDP2 over its data-parallel
+        mesh: then every parameter but whole experts over an ``ep`` dimension stays a plain tensor until FSDP2 makes
+        it a DTensor over the data-parallel mesh alone, as transformers' FSDP2 holds it (``(dp_replicate, fsdp)``,
+        not ``(dp_replicate, fsdp, tp)`` with a ``tp`` of 1), and no plan entry but the experts' applies (each would
+        split over one rank). Not on an ``(ep, tp)`` mesh whose ep ranks are the data-parallel ones: every
+        parameter there lives on that one mesh (torch's own ``clip_grad_norm_`` covers them), which transformers'
+        layouts do not have."""
+        return self.tp.size() == 1 and self.dp is not None and (self.ep is None or self.expert_dp is not None)
+
 
 def resolve_layout(device_mesh: DeviceMesh | None = None, ep_size: int | None = None, fsdp_size: int | None = None,
                    dp_replicate_size: int | None = None) -> Layout:
