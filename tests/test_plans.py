@@ -190,3 +190,22 @@ def test_fsdp_units_are_transformers(tied):
         shared = model.lm_head.weight is model.model.embed_tokens.weight
     assert got == want, (sorted(got - want), sorted(want - got))
     assert "model.norm" in got and ("lm_head" in got) != tied and "model.embed_tokens" in got and shared == tied
+
+
+@pytest.mark.parametrize("replicate_rest", [True, False])
+def test_apply_plan_replicate_rest(replicate_rest):
+    """``apply_plan(..., replicate_rest=False)`` leaves the parameters the plan does not name plain (FSDP2 at a TP
+    size of 1 places them); by default every one is a replicated DTensor on the mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    import hf_moe_tp
+
+    with as_rank(0, 2):
+        model = meta_model(configs()["qwen3_moe"])
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        hf_moe_tp.apply_plan(model, mesh, {"model.layers.0.self_attn.q_proj": "colwise"},
+                             replicate_rest=replicate_rest)
+        kinds = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
+    assert kinds.pop("model.layers.0.self_attn.q_proj.weight")
+    assert set(kinds.values()) == {replicate_rest}, kinds
