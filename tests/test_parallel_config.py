@@ -157,7 +157,6 @@ def test_from_distributed_config(unknown_world):
 
 @pytest.mark.parametrize("fields,named", [
     (dict(tp_size=2, pp_size=2), "pp_size=2"),
-    (dict(tp_size=4, enable_sequence_parallel=True), "enable_sequence_parallel=True"),
     (dict(tp_size=2, fsdp_size=2, fsdp_plan={"model.layers.*": "free_full_weight"}), "fsdp_plan="),
     (dict(tp_size=4, ep_size=4, ep_plan={"model.layers.*.mlp.experts": "ep_dispatch_experts"}), "ep_plan="),
     (dict(tp_size=4, ep_size=4, ep_implementation="deepgemm_megamoe"), "ep_implementation='deepgemm_megamoe'"),

@@ -28,9 +28,10 @@ if TYPE_CHECKING:
 EP_DISPATCH = ("auto", "all_to_all", "all_reduce")
 
 # DistributedConfig fields and the values we take; any other value is refused by name.
-SUPPORTED_DEFAULTS = {"enable_sequence_parallel": False, "pp_size": 1, "fsdp_plan": None, "ep_plan": None}
+SUPPORTED_DEFAULTS = {"pp_size": 1, "fsdp_plan": None, "ep_plan": None}
 DISTRIBUTED_HANDLED = ("tp_size", "tp_plan", "fsdp_size", "dp_replicate_size", "fsdp_cpu_offload",
-                       "fsdp_mixed_precision", "ep_size", "enable_expert_parallel", "ep_implementation")
+                       "fsdp_mixed_precision", "ep_size", "enable_expert_parallel", "ep_implementation",
+                       "enable_sequence_parallel")
 
 # ParallelismConfig fields taken; cp/sp backends and handlers only matter with their sizes above 1 (refused).
 PARALLELISM_HANDLED = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "cp_backend",
@@ -74,6 +75,12 @@ class ParallelConfig:
     (``.full_tensor()`` for the whole), saving the all-gather; otherwise (inference, ``generate``, evaluation
     with labels) they are gathered as usual. Refused at a TP size of 1 under FSDP2, where nothing is split over
     ``tp`` (:meth:`hf_moe_tp.parallel.meshes.Layout.plain_below_fsdp`).
+
+    ``sequence_parallel``: between the layers TP splits (attention, the MLPs and MoE blocks), the residual stream,
+    its norms and adds hold 1/tp of the sequence on each rank (:mod:`hf_moe_tp.parallel.sequence_parallel`), with
+    the same numbers. ``None`` (default): on wherever TP splits the model and it is exact (not with dropout on the
+    residual stream); ``True``: on, or refused naming why; ``False``: off. transformers'
+    ``DistributedConfig(enable_sequence_parallel=True)`` is ``True``.
     """
 
     # the plan and the sizes
@@ -84,6 +91,7 @@ class ParallelConfig:
     # how the split computes: experts' token exchange, the loss from split logits, FSDP2's policies
     ep_dispatch: str | None = None
     loss_parallel: bool = False
+    sequence_parallel: bool | None = None
     mp_policy: MixedPrecisionPolicy | None = None
     offload_policy: OffloadPolicy | None = None
 
@@ -107,6 +115,8 @@ class ParallelConfig:
             raise ValueError(f"ep_dispatch={self.ep_dispatch!r} must be one of {EP_DISPATCH}")
         if not isinstance(self.loss_parallel, bool):
             raise ValueError(f"loss_parallel={self.loss_parallel!r} must be True or False")
+        if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel={self.sequence_parallel!r} must be None, True or False")
         if self.mp_policy is not None and not isinstance(self.mp_policy, MixedPrecisionPolicy):
             raise ValueError(f"mp_policy={self.mp_policy!r} must be a torch.distributed.fsdp.MixedPrecisionPolicy")
         if self.offload_policy is not None and not isinstance(self.offload_policy, OffloadPolicy):
@@ -126,6 +136,9 @@ class ParallelConfig:
         if layout.dp is None and (mp is not None or offload is not None):
             raise ValueError("mp_policy and offload_policy are FSDP2's: they need fsdp_size, dp_replicate_size or "
                              "a device_mesh with a data-parallel dimension")
+        if self.sequence_parallel and layout.tp.size() == 1:
+            raise ValueError("sequence_parallel=True at a TP size of 1: there is no TP group to split the sequence "
+                             "over; load without it")
         if self.loss_parallel and layout.plain_below_fsdp():
             raise ValueError("loss_parallel=True at a TP size of 1 under FSDP2: nothing is split over tp there, so the "
                              "logits are whole (no DTensor split over the vocabulary) and the loss is the whole "
@@ -139,8 +152,9 @@ class ParallelConfig:
     def from_distributed_config(cls, config: Any) -> ParallelConfig:
         """The config for transformers' ``DistributedConfig``: sizes, FSDP2 policies (``fsdp_mixed_precision``:
         transformers' bf16 compute with fp32 reductions; ``fsdp_cpu_offload``), the EP dispatch
-        (``ep_implementation``). Fields with no equivalent here (pipeline and sequence parallelism, FSDP and EP plans
-        by module name, other EP implementations) raise ``ValueError`` naming them; so do sizes whose product is not
+        (``ep_implementation``), sequence parallelism (``enable_sequence_parallel=True``: ``sequence_parallel=True``;
+        its default False leaves ours at its default). Fields with no equivalent here (pipeline parallelism, FSDP and
+        EP plans by module name, other EP implementations) raise ``ValueError`` naming them; so do sizes whose product is not
         the world size (when the world is known)."""
         known = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
         unknown = sorted(known - set(DISTRIBUTED_HANDLED) - set(SUPPORTED_DEFAULTS))
@@ -154,7 +168,8 @@ class ParallelConfig:
         if refused:
             raise ValueError(f"DistributedConfig field(s) not supported by hf_moe_tp: {', '.join(refused)} "
                              f"(supported: tp_size, tp_plan, fsdp_size, dp_replicate_size, ep_size, "
-                             f"fsdp_mixed_precision, fsdp_cpu_offload, ep_implementation in {sorted(EP_DISPATCH)})")
+                             f"fsdp_mixed_precision, fsdp_cpu_offload, enable_sequence_parallel, ep_implementation in "
+                             f"{sorted(EP_DISPATCH)})")
         import torch
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
@@ -169,6 +184,7 @@ class ParallelConfig:
             fsdp_size=fsdp if fsdp > 1 else None,
             dp_replicate_size=replicate if replicate > 1 else None,
             ep_dispatch=implementation if ep > 1 and implementation != "auto" else None,
+            sequence_parallel=True if getattr(config, "enable_sequence_parallel", False) else None,
             mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None,
             offload_policy=CPUOffloadPolicy() if getattr(config, "fsdp_cpu_offload", False) else None,
         )

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from .sequence_parallel import scatter_rows
 from .styles import _check_mesh, _SumGradOverMesh, distribute_params, local_during_forward, sum_over_mesh
 
 
@@ -92,10 +93,12 @@ class LocalRowwiseParallel(RowwiseParallel):
 
         def sum_then_bias(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
             bias = biases.pop()
+            summed = scatter_rows(mod, out)  # sequence parallelism: this rank's rows of the sum
+            summed = sum_over_mesh(out, group) if summed is None else summed
             if bias is None:
-                return sum_over_mesh(out, group)
+                return summed
             mod._parameters["bias"] = bias
-            return sum_over_mesh(out, group) + bias.to_local()
+            return summed + bias.to_local()
 
         module.register_forward_pre_hook(without_bias)
         module.register_forward_hook(sum_then_bias, always_call=True)

@@ -37,6 +37,7 @@ from .linear import LocalColwiseParallel, LocalRowwiseParallel
 from .loss import split_loss
 from .meshes import Layout
 from .model_state import STYLE, family_of, state_of
+from .sequence_parallel import SequenceParallel, backbone_entry
 from .styles import (
     LocalDuringCall,
     LocalParams,
@@ -87,6 +88,9 @@ STYLE_NAMES = {
     "hf_moe_tp_replicated": lambda: LocalParams(sum_grads=False),
     "hf_moe_tp_local_sum_grads": lambda: LocalParams(),
 }
+# transformers' name for a module computing on this rank's rows of the sequence (a norm): sequence parallelism,
+# which splits the whole residual stream (SequenceParallel on the backbone), not one module
+SEQUENCE_PARALLEL_NAME = "sequence_parallel"
 ROUTER_NAMES = ("gate", "router")
 
 logger = logging.getLogger(__name__)
@@ -102,7 +106,7 @@ class FamilyPlan:
 
 
 def tp_plan(model: nn.Module, tp_size: int | None = None, *, ep_size: int | None = None,
-            loss_parallel: bool = False) -> dict[str, ParallelStyle]:
+            loss_parallel: bool = False, sequence_parallel: bool | None = False) -> dict[str, ParallelStyle]:
     """The default plan for ``model`` (with GroupedExperts swapped in: built by its family,
     ``model_patches.meta_model(config)`` on the meta device): module name -> style.
 
@@ -119,6 +123,10 @@ def tp_plan(model: nn.Module, tp_size: int | None = None, *, ep_size: int | None
     forwards with labels (:mod:`hf_moe_tp.parallel.loss`, installed by :func:`parallelize`): exactly
     ``from_pretrained(loss_parallel=True)``. A model whose output projection is not split (tied embeddings, a
     vocabulary that does not divide) is refused by name.
+
+    ``sequence_parallel``: the text backbone's residual stream split by the sequence between the regions the plan
+    splits (:class:`hf_moe_tp.parallel.sequence_parallel.SequenceParallel`); ``None`` where it can be exact,
+    ``True`` or refused by name where it cannot (:func:`~hf_moe_tp.parallel.sequence_parallel.backbone_entry`).
     """
     if isinstance(model, PretrainedConfig):
         raise TypeError("tp_plan takes a model, not a config: tp_plan(model_patches.meta_model(config)) plans the "
@@ -169,7 +177,20 @@ def tp_plan(model: nn.Module, tp_size: int | None = None, *, ep_size: int | None
                     plan[rname] = NoParallel()
     if loss_parallel:
         plan[head] = loss_parallel_head(model, plan.get(head), head)
-    return plan
+    return {**plan, **sequence_entry(model, tp_size, sequence_parallel)}
+
+
+def sequence_entry(model: nn.Module, tp_size: int | None, sequence_parallel: bool | None) -> dict[str, ParallelStyle]:
+    """The plan's :class:`SequenceParallel` entry for ``sequence_parallel`` (False: none; None: where exact; True:
+    or refused, naming why)."""
+    if sequence_parallel is False:
+        return {}
+    entry, why = backbone_entry(model, tp_size)
+    if why is not None and sequence_parallel:
+        raise ValueError(f"sequence_parallel=True: {why}; load with sequence_parallel=False (or leave it unset)")
+    if why is not None:
+        logger.info("sequence parallelism off: %s", why)
+    return entry
 
 
 def loss_parallel_head(model: nn.Module, style: ParallelStyle | None, head: str | None) -> LocalColwiseParallel:
@@ -224,6 +245,10 @@ def override(plan: dict[str, ParallelStyle], entries: dict[str, ParallelStyle | 
     out = dict(plan)
     modules = dict(model.named_modules())
     for pattern, style in entries.items():
+        if style == SEQUENCE_PARALLEL_NAME:
+            out.update(sequence_entry(model, tp_size, True))
+            _check_sequence_entry(pattern, _match(pattern, modules), modules)
+            continue
         names = _match(pattern, modules)
         if not names:  # an experts module's weight, as transformers' plans name them
             owner = pattern.rpartition(".")[0]
@@ -250,6 +275,21 @@ def override(plan: dict[str, ParallelStyle], entries: dict[str, ParallelStyle | 
                                  f"divide by the TP size {tp_size}; leave it out (the model's plan keeps it whole)")
             out[name] = resolve_plan({name: style})[name]
     return out
+
+
+def _check_sequence_entry(pattern: str, names: list[str], modules: dict[str, nn.Module]) -> None:
+    """A dict plan's ``sequence_parallel`` entry must name modules that compute on this rank's rows under
+    sequence parallelism (norms: no matrix weight); one naming nothing, or attention or an MLP (which see the
+    whole sequence), is refused by name."""
+    from .sequence_parallel import is_region
+
+    if not names:
+        raise ValueError(f"tp_plan entry {pattern!r}: 'sequence_parallel' names no module")
+    regions = [n for n in names if is_region(modules[n])]
+    if regions:
+        raise ValueError(f"tp_plan entry {pattern!r}: 'sequence_parallel' on {regions[0]}, which has a matrix "
+                         "weight; under sequence parallelism only the modules between attention and the MLPs (norms) "
+                         "compute on a split sequence, and attention and MLPs gather it whole")
 
 
 def described(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, str]:
@@ -321,6 +361,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyl
     (:func:`hf_moe_tp.pretrained.apply_plan`) is this after switching the integrations on."""
     plan = resolve_plan(plan)
     every = dict(plan)
+    # sequence parallelism last: it hooks around the regions the rest placed (their row-wise projections)
+    sequence = {k: v for k, v in plan.items() if isinstance(v, SequenceParallel)}
+    plan = {k: v for k, v in plan.items() if k not in sequence}
     release_at_exit(mesh, ep_mesh)  # the model keeps them alive: let their groups go at exit (runtime/shutdown.py)
     if ep_mesh is not None:
         experts = {k: v for k, v in plan.items() if isinstance(v, ExpertParallel)}
@@ -342,6 +385,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyl
         style = leftovers.get(name) or every.get(name) or next((s for p, s in patterns if matches(name, p)), None)
         if style is not None:
             setattr(module, STYLE, style)
+    if sequence:
+        parallelize_module(model, mesh, sequence)
     keep_training_fresh(model)
     local = [(module, n) for name, module in model.named_modules()
              if isinstance(style := _style_for(name, resolved), LocalParams) and not style.sum_grads

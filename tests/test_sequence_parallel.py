@@ -1,0 +1,193 @@
+"""Sequence parallelism inside TP (hf_moe_tp.parallel.sequence_parallel): the residual stream holds this rank's rows
+of the sequence between the regions TP splits, and every number equals one process's (fp32: 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from families import configs, save_family
+from test_training import batches, check, train_steps
+from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
+
+import hf_moe_tp
+from hf_moe_tp.parallel import plans
+from hf_moe_tp.parallel.config import ParallelConfig
+from hf_moe_tp.parallel.sequence_parallel import SequenceParallel, backbone_entry, split_for
+from model_patches import meta_model
+
+TOL = 1e-5
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sequence_parallel")
+    made: dict[str, str] = {}
+
+    def get(family: str) -> str:
+        if family not in made:
+            made[family] = str(save_family(family, root))
+        return made[family]
+
+    return get
+
+
+def _layer_rows(model) -> list[tuple[int, ...]]:
+    """Records the input shape of every decoder layer's first norm (what the residual stream holds there)."""
+    shapes: list[tuple[int, ...]] = []
+    for layer in model.model.layers:
+        norm = getattr(layer, "input_layernorm", None)
+        norm.register_forward_pre_hook(lambda mod, args: shapes.append(tuple(args[0].shape)))
+    return shapes
+
+
+def _against_one_process(path: str, length: int, left_pad: int, kwargs: dict) -> dict:
+    """Logits, hidden states, loss and every gradient of a training forward at the layout ``kwargs`` give, against
+    transformers' model in one process; the rows each decoder layer's norm saw."""
+    model = hf_moe_tp.from_pretrained(path, **kwargs).train()
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train()
+    rows = _layer_rows(model)
+    g = torch.Generator().manual_seed(length)
+    ids = torch.randint(0, model.config.vocab_size, (2, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :left_pad] = 0  # the second row left-padded
+    labels = ids.masked_fill(mask == 0, -100)
+    out = model(ids, attention_mask=mask, labels=labels, output_hidden_states=True)
+    want = ref(ids, attention_mask=mask, labels=labels, output_hidden_states=True)
+    out.loss.backward()
+    want.loss.backward()
+    grads = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        worst = max(worst, (g - grads[name].grad).abs().max().item())
+    keep = mask.bool()
+    return {"logits": (out.logits - want.logits)[keep].abs().max().item(),
+            "hidden": max((a - b)[keep].abs().max().item() for a, b in zip(out.hidden_states, want.hidden_states,
+                                                                             strict=True)),
+            "loss": abs(out.loss.item() - want.loss.item()), "grad": worst, "rows": rows,
+            "split": [type(s).__name__ for s in model.hf_moe_tp.plan.values()].count("SequenceParallel")}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_matches_one_process(ranks, checkpoints, family):
+    """TP 2 with sequence parallelism (the default): logits, every recorded hidden state, loss and every gradient
+    within 1e-5 of one process, with a left-padded row; a sequence of 13 (padded to 14: 7 rows a rank), and each
+    decoder layer's norm sees 7 rows."""
+    for r in ranks(2).run(_against_one_process, checkpoints(family), 13, 4, {}):
+        assert r["split"] == 1
+        assert max(r["logits"], r["hidden"], r["loss"], r["grad"]) <= TOL, r
+        assert r["rows"] and all(shape[1] == 7 for shape in r["rows"]), r["rows"]
+
+
+@pytest.mark.parametrize("length", [16, 5])
+def test_tp4_matches_one_process(ranks, checkpoints, length):
+    """TP 4: 16 rows (4 a rank) and 5 rows (padded to 8, 2 a rank)."""
+    for r in ranks(4).run(_against_one_process, checkpoints("deepseek_v3"), length, 2, {}):
+        assert max(r["logits"], r["hidden"], r["loss"], r["grad"]) <= TOL, r
+        assert all(shape[1] == -(-length // 4) for shape in r["rows"]), r["rows"]
+
+
+def test_off_and_short_sequences_stay_whole(ranks, checkpoints):
+    """``sequence_parallel=False`` keeps every row on every rank, and so does a forward of no more tokens than
+    ranks (a decode step), with the same numbers."""
+    for r in ranks(2).run(_against_one_process, checkpoints("mixtral"), 13, 0, {"sequence_parallel": False}):
+        assert r["split"] == 0 and all(shape[1] == 13 for shape in r["rows"])
+        assert max(r["logits"], r["loss"], r["grad"]) <= TOL, r
+    for r in ranks(2).run(_against_one_process, checkpoints("mixtral"), 2, 0, {}):
+        assert r["split"] == 1 and all(shape[1] == 2 for shape in r["rows"])
+        assert max(r["logits"], r["loss"], r["grad"]) <= TOL, r
+
+
+LAYOUTS = {"tp2": {}, "dp2_tp2": dict(fsdp_size=2), "tp4": {}}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_adamw_steps_match_one_process(ranks, checkpoints, layout):
+    """3 AdamW steps with clipping, sequence parallelism on (explicitly): loss and total norm per step within 1e-5;
+    at dp 2 x tp 2 with FSDP2 too."""
+    world = 2 if layout == "tp2" else 4
+    check(ranks(world).run(train_steps, checkpoints("qwen2_moe"), {**LAYOUTS[layout], "sequence_parallel": True}))
+
+
+def _checkpointed_steps(path: str) -> tuple[list[float], list[float]]:
+    model = hf_moe_tp.from_pretrained(path).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train()
+    out = []
+    for m in (model, ref):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6)
+        losses = []
+        for ids in batches(m.config.vocab_size):
+            loss = m(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out.append(losses)
+    return out[0], out[1]
+
+
+def test_gradient_checkpointing(ranks, checkpoints):
+    """Gradient checkpointing recomputes each layer from this rank's rows: 3 AdamW steps equal one process's."""
+    for losses, want in ranks(2).run(_checkpointed_steps, checkpoints("mixtral")):
+        assert max(abs(a - b) for a, b in zip(losses, want, strict=True)) <= TOL, (losses, want)
+
+
+def _generate(path: str) -> tuple[list[list[int]], list[list[int]]]:
+    model = hf_moe_tp.from_pretrained(path)
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    ours = model.generate(ids, max_new_tokens=6, do_sample=False)
+    return ours.tolist(), ref.generate(ids, max_new_tokens=6, do_sample=False).tolist()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_generate(ranks, checkpoints, family):
+    """generate: a split prefill (9 tokens over 2 ranks), then whole decode steps; the tokens of one process."""
+    for ours, want in ranks(2).run(_generate, checkpoints(family)):
+        assert ours == want
+
+
+def test_entry_and_refusals():
+    """The backbone is the module that runs the decoder layers (Llama 4's ``get_decoder`` is the whole model);
+    nothing at TP 1; dropout on the residual stream keeps it whole by default and is refused when asked for."""
+    for family, runner in (("mixtral", "model"), ("llama4", "model")):
+        model = meta_model(configs()[family])
+        entry, why = backbone_entry(model, 2)
+        assert why is None and list(entry) == [runner] and isinstance(entry[runner], SequenceParallel)
+        assert plans.sequence_entry(model, 1, None) == {}
+    config = configs()["mixtral"]
+    config.some_hidden_dropout = 0.1
+    model = meta_model(config)
+    assert plans.sequence_entry(model, 2, None) == {}
+    with pytest.raises(ValueError, match="sequence_parallel=True: dropout on the residual stream.*some_hidden_dropout"):
+        plans.sequence_entry(model, 2, True)
+
+
+def test_split_rows():
+    """Rows a rank: the sequence padded to a multiple of the TP size; no split at or below it."""
+    assert split_for(torch.empty(2, 13, 8), 2).local == 7
+    assert split_for(torch.empty(2, 16, 8), 4).local == 4
+    assert not split_for(torch.empty(2, 2, 8), 2).active and split_for(torch.empty(2, 3, 8), 2).active
+
+
+def test_config():
+    """``sequence_parallel`` is None, True or False; transformers' ``enable_sequence_parallel=True`` is True."""
+    assert ParallelConfig().sequence_parallel is None
+    with pytest.raises(ValueError, match="sequence_parallel='yes'"):
+        ParallelConfig(sequence_parallel="yes")
+    assert ParallelConfig.from_distributed_config(DistributedConfig(enable_sequence_parallel=True)).sequence_parallel
+    assert ParallelConfig.from_distributed_config(DistributedConfig()).sequence_parallel is None
+
+
+def test_dict_plan_names():
+    """transformers' ``sequence_parallel`` in a dict plan, on norms, turns it on; on attention it is refused."""
+    model = meta_model(configs()["mixtral"])
+    plan = plans.tp_plan(model, 2, sequence_parallel=False)
+    out = plans.override(plan, {"model.layers.*.input_layernorm": "sequence_parallel",
+                                "model.norm": "sequence_parallel"}, model, 2)
+    assert isinstance(out["model"], SequenceParallel)
+    with pytest.raises(ValueError, match="'sequence_parallel' on model.layers.0.self_attn"):
+        plans.override(plan, {"model.layers.*.self_attn": "sequence_parallel"}, model, 2)
