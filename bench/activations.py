@@ -8,7 +8,7 @@ The model is the issue's small Mixtral (hidden 256, 4 layers, 8 experts of 512, 
 vocabulary 4096, sdpa), made once with save_pretrained under ~/.cache/hf_moe_tp; one sequence of S random tokens,
 labels = ids. Rows:
 
-- ``one process``: transformers' own model (``AutoModelForCausalLM``, eager experts) in this process;
+- ``one process``: transformers' own model (``AutoModelForCausalLM``, its default experts) in this process;
 - ``tp 4``: ``hf_moe_tp.from_pretrained(path, sequence_parallel=False)`` on 4 ranks;
 - ``tp 4 + sp``: the same with sequence parallelism (``sequence_parallel=True``, the default where exact).
 
@@ -22,6 +22,7 @@ Every layout's first loss is checked against one process's (1e-5 relative in fp3
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -83,17 +84,8 @@ def measure(model, seqs: list[int], repeats: int) -> dict[int, dict]:
     for seq in seqs:
         ids = ids_for(seq, model.config.vocab_size)
         losses: list[float] = []
-
-        def forward():
-            loss = model(ids, labels=ids).loss
-            losses.append(loss.item())
-            return loss
-
-        def step():
-            forward().backward()
-            for p in params:
-                p.grad = None
-
+        forward = functools.partial(_forward, model, ids, losses)
+        step = functools.partial(_step, forward, params)
         saved = saved_bytes(forward)
         peak = peak_rise_bytes(step)
         times = []
@@ -103,6 +95,18 @@ def measure(model, seqs: list[int], repeats: int) -> dict[int, dict]:
             times.append(time.perf_counter() - start)
         out[seq] = {"saved": saved / MIB, "peak": peak / MIB, "step_s": statistics.median(times), "loss": losses[0]}
     return out
+
+
+def _forward(model, ids: torch.Tensor, losses: list[float]) -> torch.Tensor:
+    loss = model(ids, labels=ids).loss
+    losses.append(loss.item())
+    return loss
+
+
+def _step(forward, params: list[torch.Tensor]) -> None:
+    forward().backward()
+    for p in params:
+        p.grad = None
 
 
 def bench_rank(path: str, dtype_name: str, seqs: list[int], repeats: int) -> dict:
@@ -120,8 +124,8 @@ def bench_rank(path: str, dtype_name: str, seqs: list[int], repeats: int) -> dic
 def one_process(path: str, dtype_name: str, seqs: list[int], repeats: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype_name), attn_implementation="sdpa",
-                                                 experts_implementation="eager").train()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype_name),
+                                                 attn_implementation="sdpa").train()
     return measure(model, seqs, repeats)
 
 

@@ -171,13 +171,13 @@ def test_kernel_when_aligned_loop_otherwise(monkeypatch, dtype, hidden, kernels)
     assert len(calls) == kernels
 
 
-@pytest.mark.parametrize("dtype,hidden,kernels", [(torch.float32, 32, 2), (torch.float32, 18, 1),
-                                                  (torch.bfloat16, 32, 2)])
-def test_storage_and_views(monkeypatch, dtype, hidden, kernels):
+@pytest.mark.parametrize("dtype,hidden,kernels,backward", [(torch.float32, 32, 2, 4), (torch.float32, 18, 1, 2),
+                                                           (torch.bfloat16, 32, 2, 4)])
+def test_storage_and_views(monkeypatch, dtype, hidden, kernels, backward):
     """Weights stored as transformers stores them, (E, out, in) and contiguous (FSDP2 shards them), ``w1``/``w3``
     /``w2`` views of them (writable: the seed's (E, dim, hidden) / (E, hidden, dim)); the kernel runs on the
-    transposed packed weights where aligned (one matmul for gate and up), and the gradients arrive in the
-    parameters' own layout (no transposing copy per step)."""
+    transposed packed weights where aligned (one matmul for gate and up), in backward too, and the gradients
+    arrive in the parameters' own layout (no transposing copy per step)."""
     calls = []
     real = gmm._KERNEL
     monkeypatch.setattr(gmm, "_KERNEL", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -193,9 +193,11 @@ def test_storage_and_views(monkeypatch, dtype, hidden, kernels):
     assert m.down_proj[1, 3, 2] == 7.0 and m.gate_up_proj[0, hidden + 2, 1] == 5.0
     index, weights = routing(TOKENS, EXPERTS, TOP_K)
     x, g = torch.randn(TOKENS, DIM).to(dtype), torch.randn(TOKENS, DIM).to(dtype)
-    (m(x, index, weights) * g).sum().backward()
-    assert all(p.grad.stride() == p.stride() for p in m.parameters())
+    y = m(x, index, weights)
     assert len(calls) == kernels  # 2 grouped matmuls per forward where aligned: gate and up at once, then down
+    (y * g).sum().backward()
+    assert all(p.grad.stride() == p.stride() for p in m.parameters())
+    assert len(calls) == kernels + backward  # and 2 per aligned one in backward (input and weight gradients)
 
 
 @pytest.mark.parametrize("hidden", [32, 18])

@@ -153,9 +153,9 @@ class ParallelConfig:
         """The config for transformers' ``DistributedConfig``: sizes, FSDP2 policies (``fsdp_mixed_precision``:
         transformers' bf16 compute with fp32 reductions; ``fsdp_cpu_offload``), the EP dispatch
         (``ep_implementation``), sequence parallelism (``enable_sequence_parallel=True``: ``sequence_parallel=True``;
-        its default False leaves ours at its default). Fields with no equivalent here (pipeline parallelism, FSDP and
-        EP plans by module name, other EP implementations) raise ``ValueError`` naming them; so do sizes whose product is not
-        the world size (when the world is known)."""
+        its default False leaves ours at its default). Fields with no equivalent here (pipeline parallelism, FSDP
+        and EP plans by module name, other EP implementations) raise ``ValueError`` naming them; so do sizes whose
+        product is not the world size (when the world is known)."""
         known = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
         unknown = sorted(known - set(DISTRIBUTED_HANDLED) - set(SUPPORTED_DEFAULTS))
         refused = [f"{name}={getattr(config, name)!r}" for name, default in SUPPORTED_DEFAULTS.items()

@@ -13,7 +13,14 @@ from transformers.activations import ACT2FN
 
 from .._compat import CONFIG_EXPERTS_IMPLEMENTATION, local_shape_and_offset
 from .boxes import shard_dim
-from .grouped_matmul import batched_mm, grouped_mm, grouped_mm_loop
+from .grouped_matmul import (
+    batched_mm,
+    gathered_grouped_mm,
+    grouped_mm,
+    grouped_mm_loop,
+    multiply,
+    weight_grad,
+)
 
 # transformers' experts implementations (``set_experts_implementation``) GroupedExperts runs, each computing what
 # transformers' does: one grouped matmul (torch's kernel where it takes the layout, else a loop), a loop over the
@@ -247,15 +254,26 @@ class GroupedExperts(nn.Module):
     ) -> torch.Tensor:
         x, index, weights = _local(hidden_states), _local(top_k_index), _local(top_k_weights)
         order, expert_of_row, offsets = route(index, _local(self.down_proj).shape[0])
-        rows = x[order // index.shape[1]]
+        token = order // index.shape[1]
         row_weights = weights.reshape(-1)[order].unsqueeze(-1)
-        if self.score_before_experts:
-            rows = rows * row_weights.to(rows.dtype)
-
-        h = self._matmul(rows, self.up_name, expert_of_row, offsets)  # gate and up at once, packed
+        # the grouped implementations keep neither the gathered rows nor the down projection's output for backward
+        # (each k copies of the tokens at full width): gathered again, and the weights' gradient formed without it
+        grouped = type(self)._matmul is GroupedExperts._matmul and self.implementation != "batched_mm"
+        loop = self.implementation == "eager"
+        if grouped and not self.score_before_experts:  # gate and up at once, packed
+            h = gathered_grouped_mm(x, token, self._weight(self.up_name), offsets, loop)
+        else:
+            rows = x[token]
+            if self.score_before_experts:
+                rows = rows * row_weights.to(rows.dtype)
+            h = self._matmul(rows, self.up_name, expert_of_row, offsets)
         if self.has_bias:
             h = h + _local(getattr(self, f"{self.up_name}_bias"))[expert_of_row].to(h.dtype)
-        out = self._matmul(self.activation.on_packed(h, self.is_concatenated), "down_proj", expert_of_row, offsets)
+        act = self.activation.on_packed(h, self.is_concatenated)
+        if grouped and not (self.score_before_experts or self.has_bias or self.post_expert_norm is not None):
+            return _DownCombine.apply(act, self._weight("down_proj"), offsets, order, row_weights, index.shape,
+                                      x.dtype, loop)
+        out = self._matmul(act, "down_proj", expert_of_row, offsets)
         if self.has_bias:
             adds = _adds_row_bias(self.down_proj, 1 if self.is_transposed else 2)
             out = out + _OnceAcrossShards.apply(_local(self.down_proj_bias), adds)[expert_of_row].to(out.dtype)
@@ -267,6 +285,11 @@ class GroupedExperts(nn.Module):
             else:
                 out = self.post_expert_norm(out)
         return combine(out, order, None if self.score_before_experts else row_weights, index.shape, x.dtype)
+
+    def _weight(self, name: str) -> torch.Tensor:
+        """This rank's weight ``name`` laid out (E, in, out) for the grouped matmul (a view)."""
+        weight = _local(getattr(self, name))
+        return weight if self.is_transposed else weight.transpose(-1, -2)
 
     def _matmul(self, rows: torch.Tensor, name: str, expert_of_row: torch.Tensor, offsets: torch.Tensor
                 ) -> torch.Tensor:
@@ -306,6 +329,34 @@ def route(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Te
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     return order, flat[order], torch.cumsum(counts, 0, dtype=torch.int32)
+
+
+class _DownCombine(torch.autograd.Function):
+    """``combine(grouped_mm(act, w, offsets), order, row_weights, ...)`` keeping ``act``, ``w`` and the weights for
+    backward rather than the down projection's output (each token's k rows at full width): the routing weights'
+    gradient ``sum(out * g)`` is ``sum(act * t)`` with ``t = g @ w^T``, the product the input's gradient is made of
+    anyway (``t`` times the weights). Two grouped matmuls in backward, as without."""
+
+    @staticmethod
+    def forward(ctx, act, w, offsets, order, row_weights, index_shape, dtype, loop):  # type: ignore[override]
+        ctx.save_for_backward(act, w, offsets, order, row_weights)
+        ctx.loop, ctx.index_shape = loop, index_shape
+        return combine(multiply(act, w, offsets, loop), order, row_weights, index_shape, dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        act, w, offsets, order, row_weights = ctx.saved_tensors
+        act = act.to(w.dtype)
+        scale = torch.promote_types(w.dtype, row_weights.dtype)  # the dtype combine weighted the rows in
+        rows = grad.to(scale).unsqueeze(1).expand(*ctx.index_shape, grad.shape[-1]).reshape(-1, grad.shape[-1])
+        rows = rows.index_select(0, order)  # each sorted row's gradient, before its weight
+        t = multiply(rows.to(w.dtype), w.transpose(-2, -1), offsets, ctx.loop)
+        grad_act = (t.to(scale) * row_weights).to(act.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = weight_grad(act, w, offsets, rows * row_weights, ctx.loop) if ctx.needs_input_grad[1] else None
+        grad_weights = None
+        if ctx.needs_input_grad[4]:
+            grad_weights = (act.to(scale) * t.to(scale)).sum(-1, keepdim=True).to(row_weights.dtype)
+        return grad_act, grad_w, None, None, grad_weights, None, None, None
 
 
 def combine(out: torch.Tensor, order: torch.Tensor, row_weights: torch.Tensor | None, index_shape: torch.Size,

@@ -60,6 +60,59 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     return grouped_mm_loop(x, w, offsets)
 
 
+def gathered_grouped_mm(x: torch.Tensor, token: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
+                        loop: bool = False) -> torch.Tensor:
+    """:func:`grouped_mm` (or with ``loop`` :func:`grouped_mm_loop`) of the rows ``x[token]``, keeping ``x`` and
+    ``token`` for the backward instead of the gathered rows: the experts' input is each token once per routed slot
+    (k times ``x``'s bytes), while ``x`` is kept anyway (the router's input). The backward gathers the rows again
+    and forms the products autograd forms for the kernel (or the loop's own backward)."""
+    return _GatheredGroupedMm.apply(x, token, w, offsets, loop)
+
+
+def grouped_mm_backward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor, loop: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``x`` and ``w`` of ``grouped_mm(x, w, offsets)`` (``x`` already in ``w``'s dtype) for the
+    output gradient ``grad``: the products torch's derivative of the kernel forms (``_grouped_mm_mat1_backward``,
+    ``_grouped_mm_mat2_backward``), or the loop's backward where the forward took the loop."""
+    grad = grad.contiguous().to(w.dtype)
+    if loop or not kernel_accepts(x, w):
+        return torch.ops.hf_moe_tp.grouped_mm_loop_backward(x, w, offsets, grad)
+    return _KERNEL(grad, w.transpose(-2, -1), offs=offsets), weight_grad(x, w, offsets, grad, loop)
+
+
+def weight_grad(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor, loop: bool
+                ) -> torch.Tensor:
+    """The gradient of ``w`` alone of :func:`grouped_mm_backward`."""
+    grad = grad.contiguous().to(w.dtype)
+    if loop or not kernel_accepts(x, w):
+        return torch.ops.hf_moe_tp.grouped_mm_loop_backward(x, w, offsets, grad)[1]
+    if w.stride(-2) == 1:  # each w[g] stored (N, K): its gradient in the same layout
+        return _KERNEL(grad.transpose(-2, -1), x, offs=offsets).transpose(-2, -1)
+    return _KERNEL(x.transpose(-2, -1), grad, offs=offsets)
+
+
+def multiply(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, loop: bool) -> torch.Tensor:
+    """:func:`grouped_mm`, or with ``loop`` :func:`grouped_mm_loop`."""
+    return grouped_mm_loop(x, w, offsets) if loop else grouped_mm(x, w, offsets)
+
+
+class _GatheredGroupedMm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, token, w, offsets, loop):  # type: ignore[override]
+        ctx.save_for_backward(x, token, w, offsets)
+        ctx.loop = loop
+        return multiply(x[token], w, offsets, loop)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, token, w, offsets = ctx.saved_tensors
+        grad_rows, grad_w = grouped_mm_backward(x[token].to(w.dtype), w, offsets, grad, ctx.loop)
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # what autograd's backward of x[token] forms
+            grad_x = torch.zeros_like(x).index_put_((token,), grad_rows.to(x.dtype), accumulate=True)
+        return grad_x, None, grad_w if ctx.needs_input_grad[2] else None, None, None
+
+
 def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """:func:`grouped_mm` as a loop over the groups, one matmul each (transformers' ``"eager"`` experts)."""
     return torch.ops.hf_moe_tp.grouped_mm_loop(x.to(w.dtype), w, offsets)
