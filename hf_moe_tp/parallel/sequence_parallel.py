@@ -43,32 +43,40 @@ SCATTER = "_hf_moe_tp_sequence_scatter"
 
 @dataclass(frozen=True)
 class Split:
-    """The current forward's sequence split: ``length`` whole rows (dim 1), ``local`` rows per rank (padded),
-    over ``size`` ranks; ``batch`` and ``width`` of the split hidden states, to recognise them."""
+    """The current forward's sequence split: ``length`` whole rows (dim 1), ``local`` rows per rank (padded), over
+    ``size`` ranks, of a batch of ``batch``. A tensor of the stream has the sequence as dim 1 of 3 dims or more
+    (batch, sequence, ..., features), or is flattened to (batch x sequence, ...) tokens."""
 
     length: int
     local: int
     size: int
     batch: int
-    width: int
 
     @property
     def active(self) -> bool:
         return self.local < self.length
 
+    def form(self, t: Any, rows: int) -> str | None:
+        """``"seq"`` where ``t`` is (batch, ``rows``, ...), ``"flat"`` where (batch x ``rows``, ...), else None."""
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+            return None
+        if t.dim() >= 3 and t.shape[0] == self.batch and t.shape[1] == rows:
+            return "seq"
+        return "flat" if t.shape[0] == self.batch * rows else None
+
     def is_local(self, t: Any) -> bool:
-        return isinstance(t, torch.Tensor) and t.dim() == 3 and tuple(t.shape) == (self.batch, self.local, self.width)
+        return self.form(t, self.local) is not None
 
     def is_whole(self, t: Any) -> bool:
-        return isinstance(t, torch.Tensor) and t.dim() == 3 and tuple(t.shape) == (self.batch, self.length, self.width)
+        return self.form(t, self.length) is not None
 
 
 def split_for(hidden: torch.Tensor, size: int) -> Split:
-    """The split of ``hidden`` (batch, sequence, width) over ``size`` ranks; unsplit (``local == length``) when
-    the sequence has no more rows than ranks."""
-    batch, length, width = hidden.shape
+    """The split of ``hidden`` (batch, sequence, ...) over ``size`` ranks; unsplit (``local == length``) when the
+    sequence has no more rows than ranks."""
+    batch, length = hidden.shape[:2]
     local = -(-length // size) if length > size else length
-    return Split(length, local, size, batch, width)
+    return Split(length, local, size, batch)
 
 
 class SequenceParallel(ParallelStyle):
@@ -106,34 +114,38 @@ class SequenceParallel(ParallelStyle):
         def enter_layer(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             args, kwargs, hidden = _hidden_states(mod, args, kwargs)
             if self.split is None:
-                if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+                if not isinstance(hidden, torch.Tensor) or hidden.dim() < 3:
                     raise ValueError(f"SequenceParallel: {type(mod).__name__} got hidden states of shape "
-                                     f"{getattr(hidden, 'shape', None)}, not (batch, sequence, hidden)")
+                                     f"{getattr(hidden, 'shape', None)}, not (batch, sequence, ...)")
                 self.split = split_for(hidden, size)
             split = self.split
-            if not split.active or split.is_local(hidden):
+            if not split.active or split.form(hidden, split.local) == "seq":
                 return None
-            if not split.is_whole(hidden):
+            if split.form(hidden, split.length) != "seq":
                 raise RuntimeError(f"SequenceParallel: {type(mod).__name__} got hidden states of shape "
                                    f"{tuple(hidden.shape)} in a forward split as {split}: neither whole nor this "
                                    "rank's rows (a recomputation of another forward's layer?)")
-            return _replace_hidden(mod, args, kwargs, _Scatter.apply(hidden, comm, split.length))
 
-        def end(mod: nn.Module, args: tuple, out: Any) -> Any:
-            split = self.split
-            if split is None or not split.active:
-                return out
-            return _map_outputs(out, lambda t: _Gather.apply(t, comm, split.length) if split.is_local(t) else t)
+            def own(t: Any) -> Any:  # the stream and what travels beside it (Inkling 2's block states)
+                return _own(t, split, comm) if split.form(t, split.length) == "seq" else t
+
+            return tuple(own(a) for a in args), {k: own(v) for k, v in kwargs.items()}
 
         def leave_layer(mod: nn.Module, args: tuple, out: Any) -> Any:
             split = self.split
             if split is None or not split.active:
                 return out
             first = out[0] if isinstance(out, tuple) else out
-            if not split.is_local(first):
+            if split.form(first, split.local) != "seq":
                 return out
-            first = _Gather.apply(first, comm, split.length)
+            first = _whole(first, split, comm)
             return (first, *out[1:]) if isinstance(out, tuple) else first
+
+        def end(mod: nn.Module, args: tuple, out: Any) -> Any:
+            split = self.split
+            if split is None or not split.active:
+                return out
+            return _map_outputs(out, lambda t: _whole(t, split, comm) if split.form(t, split.local) == "seq" else t)
 
         module.register_forward_pre_hook(begin)
         module.register_forward_hook(end)
@@ -142,7 +154,7 @@ class SequenceParallel(ParallelStyle):
             layer.register_forward_pre_hook(enter_layer, with_kwargs=True)
             if self.whole_between_layers:
                 layer.register_forward_hook(leave_layer)
-            for child in layer.children():
+            for child in _called_children(layer):
                 if is_region(child):
                     regions.append(child)
                     self._hook_region(child, comm, [n for n, c in child.named_children() if _reduces_rows(c)])
@@ -182,16 +194,22 @@ class SequenceParallel(ParallelStyle):
             if split is None or not split.active:
                 return None
             args, kwargs, hidden = _hidden_states(mod, args, kwargs)
-            if not split.is_local(hidden):
+            form = split.form(hidden, split.local)
+            if form is None:
                 raise RuntimeError(f"SequenceParallel: {type(mod).__name__} got hidden states of shape "
                                    f"{tuple(getattr(hidden, 'shape', ()))} in a forward split as {split}, not this "
                                    "rank's rows")
 
             def whole(t: Any) -> Any:
-                return _Gather.apply(t, comm, split.length) if split.is_local(t) else t
+                # the stream's tensors (batch, rows, ...); flattened ones only beside flattened hidden states (a
+                # router's choices beside its tokens): a whole (sequence, ...) tensor can have batch x rows rows
+                kind = split.form(t, split.local)
+                return _whole(t, split, comm) if kind == "seq" or kind == "flat" == form else t
 
             def scatter(out: torch.Tensor) -> torch.Tensor | None:
-                return _ReduceScatter.apply(out, comm, split.length) if split.is_whole(out) else None
+                if split.form(out, split.length) != "seq":
+                    return None
+                return _ReduceScatter.apply(out, comm, split.length)
 
             for name in rowwise:
                 child = getattr(mod, name)
@@ -207,22 +225,28 @@ class SequenceParallel(ParallelStyle):
             split = self.split
             if split is None or not split.active:
                 return out
-            first = out[0] if isinstance(out, tuple) else out
+            outputs = out if isinstance(out, tuple) else (out,)
+            first = outputs[0]
             if split.is_local(first):  # reduce-scattered by its row-wise projection
                 return out
-            flat = isinstance(first, torch.Tensor) and tuple(first.shape) == (split.batch * split.length, split.width)
-            if not (flat or split.is_whole(first)):
+            if not split.is_whole(first):
                 raise RuntimeError(f"SequenceParallel: {type(mod).__name__} returned {tuple(first.shape)} from a "
                                    f"whole sequence split as {split}")
-            if flat:  # tokens flattened (Llama 4's MoE block): cut the same rows, flattened again
-                first = _Scatter.apply(first.view(split.batch, split.length, -1), comm, split.length).flatten(0, 1)
-            else:
-                first = _Scatter.apply(first, comm, split.length)
-            return (first, *out[1:]) if isinstance(out, tuple) else first
+            tokens = split.form(first, split.length)  # flattened tokens, or (batch, sequence, ...)
+
+            def per_token(t: Any) -> bool:  # beside the first output: a router's weights and choices, mixing
+                # weights (batch, rows, streams, streams); not attention weights (batch, heads, rows, keys)
+                kind = split.form(t, split.length)
+                return kind == tokens and not (kind == "seq" and t.dim() >= 4 and t.shape[2] == split.length)
+
+            rest = [_own(t, split, comm) if per_token(t) else t for t in outputs[1:]]
+            cut_first = _own(first, split, comm)
+            return (cut_first, *rest) if isinstance(out, tuple) else cut_first
 
         region.register_forward_pre_hook(gather, with_kwargs=True, prepend=True)
         region.register_forward_hook(done, prepend=True, always_call=True)
         region.register_forward_hook(cut)
+
 
 
 def backbone_entry(model: nn.Module, tp_size: int | None) -> tuple[dict[str, SequenceParallel], str | None]:
@@ -339,6 +363,37 @@ def is_region(module: nn.Module) -> bool:
     return any(p.dim() >= 2 for p in module.parameters())
 
 
+def _own(t: torch.Tensor, split: Split, comm: _Comm) -> torch.Tensor:
+    """This rank's rows of the whole ``t`` (of the stream, or flattened tokens)."""
+    if split.form(t, split.length) == "seq":
+        return _Scatter.apply(t, comm, split.length)
+    rest = t.shape[1:]
+    return _Scatter.apply(t.reshape(split.batch, split.length, *rest), comm, split.length).flatten(0, 1)
+
+
+def _whole(t: torch.Tensor, split: Split, comm: _Comm) -> torch.Tensor:
+    """The whole sequence of ``t``, this rank's rows (of the stream, or flattened tokens)."""
+    if split.form(t, split.local) == "seq":
+        return _Gather.apply(t, comm, split.length)
+    rest = t.shape[1:]
+    return _Gather.apply(t.reshape(split.batch, split.local, *rest), comm, split.length).flatten(0, 1)
+
+
+def _called_children(layer: nn.Module) -> list[nn.Module]:
+    """``layer``'s children as its forward calls them: a container's (``ModuleList``, ``ModuleDict``) in its place."""
+    out = []
+    for child in layer.children():
+        if isinstance(child, nn.ModuleList | nn.ModuleDict):
+            out.extend(_called_children(child))
+        else:
+            out.append(child)
+    return out
+
+
+def _shapes(args: tuple, kwargs: dict) -> list:
+    return [tuple(t.shape) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+
+
 def _summable(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.requires_grad
 
@@ -359,7 +414,7 @@ class _Comm:
 
     def pad(self, t: torch.Tensor) -> torch.Tensor:
         extra = -t.shape[1] % self.size
-        return torch.nn.functional.pad(t, (0, 0, 0, extra)) if extra else t
+        return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, extra)) if extra else t
 
     def own(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the whole ``t`` (a copy)."""
