@@ -111,9 +111,9 @@ def test_adamw_steps_match_one_process(ranks, checkpoints, layout):
     check(ranks(world).run(train_steps, checkpoints("qwen2_moe"), {**LAYOUTS[layout], "sequence_parallel": True}))
 
 
-def _checkpointed_steps(path: str) -> tuple[list[float], list[float]]:
+def _checkpointed_steps(path: str, reentrant: bool) -> tuple[list[float], list[float]]:
     model = hf_moe_tp.from_pretrained(path).train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train()
     out = []
     for m in (model, ref):
@@ -129,9 +129,10 @@ def _checkpointed_steps(path: str) -> tuple[list[float], list[float]]:
     return out[0], out[1]
 
 
-def test_gradient_checkpointing(ranks, checkpoints):
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing(ranks, checkpoints, reentrant):
     """Gradient checkpointing recomputes each layer from this rank's rows: 3 AdamW steps equal one process's."""
-    for losses, want in ranks(2).run(_checkpointed_steps, checkpoints("mixtral")):
+    for losses, want in ranks(2).run(_checkpointed_steps, checkpoints("mixtral"), reentrant):
         assert max(abs(a - b) for a, b in zip(losses, want, strict=True)) <= TOL, (losses, want)
 
 
@@ -167,10 +168,32 @@ def test_entry_and_refusals():
 
 
 def test_split_rows():
-    """Rows a rank: the sequence padded to a multiple of the TP size; no split at or below it."""
+    """Rows a rank: the sequence padded to a multiple of the TP size; no split at or below it. The stream's tensors
+    are (batch, rows, ...) of any rank, or flattened (batch x rows, ...)."""
     assert split_for(torch.empty(2, 13, 8), 2).local == 7
     assert split_for(torch.empty(2, 16, 8), 4).local == 4
     assert not split_for(torch.empty(2, 2, 8), 2).active and split_for(torch.empty(2, 3, 8), 2).active
+    split = split_for(torch.empty(2, 12, 4, 8), 2)  # hyper-connection streams (DeepSeek-V4)
+    assert (split.local, split.form(torch.empty(2, 6, 4, 8), 6), split.form(torch.empty(12, 8), 6)) == (6, "seq", "flat")
+    assert split.form(torch.empty(2, 12), 6) is None and split.form(torch.empty(1, 6, 8), 6) is None
+
+
+def test_stream_between_layers():
+    """The stream stays split from layer to layer where the backbone's loop only passes it on (Mixtral); where its
+    code between layers reads it by position (Qwen3-VL-MoE's deepstack) each layer's output is gathered whole."""
+    from transformers import Qwen3VLMoeTextConfig
+
+    from hf_moe_tp.parallel.sequence_parallel import stream_stays_split
+
+    assert stream_stays_split(meta_model(configs()["mixtral"]).model)
+    text = Qwen3VLMoeTextConfig(hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+                                num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=8, vocab_size=128)
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextModel
+
+    model = meta_model(text, Qwen3VLMoeTextModel)
+    entry, why = backbone_entry(model, 2)
+    assert why is None and not stream_stays_split(model) and entry[""].whole_between_layers
 
 
 def test_config():
