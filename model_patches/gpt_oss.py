@@ -5,9 +5,9 @@ sinks then split alongside the heads (``hf_moe_tp.parallel.plans.sink_entries``)
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hf_moe_tp.parallel.hf_plan import heads_divide
+from hf_moe_tp.parallel.linear import LocalColwiseParallel, LocalRowwiseParallel
 from hf_moe_tp.parallel.plans import FamilyPlan
 
 from .base import Family
@@ -20,8 +20,8 @@ class GptOssPlan(FamilyPlan):
         plan = {}
         for name, module in model.named_modules():
             if hasattr(module, "sinks") and hasattr(module, "q_proj"):
-                plan.update({f"{name}.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")})
-                plan[f"{name}.o_proj"] = RowwiseParallel()
+                plan.update({f"{name}.{p}": LocalColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")})
+                plan[f"{name}.o_proj"] = LocalRowwiseParallel()
         return plan
 
 

@@ -33,13 +33,15 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-def _layer_rows(model) -> list[tuple[int, ...]]:
-    """Records the input shape of every decoder layer's first norm (what the residual stream holds there)."""
+def _layer_rows(model) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """Records the input shape of every decoder layer's first norm (what the residual stream holds there) and the
+    output shape of its attention's ``o_proj`` (reduce-scattered to this rank's rows, or all-reduced whole)."""
     shapes: list[tuple[int, ...]] = []
+    projected: list[tuple[int, ...]] = []
     for layer in model.model.layers:
-        norm = getattr(layer, "input_layernorm", None)
-        norm.register_forward_pre_hook(lambda mod, args: shapes.append(tuple(args[0].shape)))
-    return shapes
+        layer.input_layernorm.register_forward_pre_hook(lambda mod, args: shapes.append(tuple(args[0].shape)))
+        layer.self_attn.o_proj.register_forward_hook(lambda mod, args, out: projected.append(tuple(out.shape)))
+    return shapes, projected
 
 
 def _against_one_process(path: str, length: int, left_pad: int, kwargs: dict) -> dict:
@@ -47,7 +49,7 @@ def _against_one_process(path: str, length: int, left_pad: int, kwargs: dict) ->
     transformers' model in one process; the rows each decoder layer's norm saw."""
     model = hf_moe_tp.from_pretrained(path, **kwargs).train()
     ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train()
-    rows = _layer_rows(model)
+    rows, projected = _layer_rows(model)
     g = torch.Generator().manual_seed(length)
     ids = torch.randint(0, model.config.vocab_size, (2, length), generator=g)
     mask = torch.ones_like(ids)
@@ -66,19 +68,20 @@ def _against_one_process(path: str, length: int, left_pad: int, kwargs: dict) ->
     return {"logits": (out.logits - want.logits)[keep].abs().max().item(),
             "hidden": max((a - b)[keep].abs().max().item() for a, b in zip(out.hidden_states, want.hidden_states,
                                                                              strict=True)),
-            "loss": abs(out.loss.item() - want.loss.item()), "grad": worst, "rows": rows,
+            "loss": abs(out.loss.item() - want.loss.item()), "grad": worst, "rows": rows, "projected": projected,
             "split": [type(s).__name__ for s in model.hf_moe_tp.plan.values()].count("SequenceParallel")}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tp2_matches_one_process(ranks, checkpoints, family):
     """TP 2 with sequence parallelism (the default): logits, every recorded hidden state, loss and every gradient
-    within 1e-5 of one process, with a left-padded row; a sequence of 13 (padded to 14: 7 rows a rank), and each
-    decoder layer's norm sees 7 rows."""
+    within 1e-5 of one process, with a left-padded row; a sequence of 13 (padded to 14: 7 rows a rank), each
+    decoder layer's norm sees 7 rows, and its attention's o_proj reduce-scatters to them."""
     for r in ranks(2).run(_against_one_process, checkpoints(family), 13, 4, {}):
         assert r["split"] == 1
         assert max(r["logits"], r["hidden"], r["loss"], r["grad"]) <= TOL, r
         assert r["rows"] and all(shape[1] == 7 for shape in r["rows"]), r["rows"]
+        assert r["projected"] and all(shape[1] == 7 for shape in r["projected"]), r["projected"]
 
 
 @pytest.mark.parametrize("length", [16, 5])
@@ -93,7 +96,7 @@ def test_off_and_short_sequences_stay_whole(ranks, checkpoints):
     """``sequence_parallel=False`` keeps every row on every rank, and so does a forward of no more tokens than
     ranks (a decode step), with the same numbers."""
     for r in ranks(2).run(_against_one_process, checkpoints("mixtral"), 13, 0, {"sequence_parallel": False}):
-        assert r["split"] == 0 and all(shape[1] == 13 for shape in r["rows"])
+        assert r["split"] == 0 and all(shape[1] == 13 for shape in r["rows"] + r["projected"])
         assert max(r["logits"], r["loss"], r["grad"]) <= TOL, r
     for r in ranks(2).run(_against_one_process, checkpoints("mixtral"), 2, 0, {}):
         assert r["split"] == 1 and all(shape[1] == 2 for shape in r["rows"])
@@ -214,3 +217,52 @@ def test_dict_plan_names():
     assert isinstance(out["model"], SequenceParallel)
     with pytest.raises(ValueError, match="'sequence_parallel' on model.layers.0.self_attn"):
         plans.override(plan, {"model.layers.*.self_attn": "sequence_parallel"}, model, 2)
+
+
+def _router_logits(path: str, kind: str) -> tuple[float, float, list[tuple[int, ...]]]:
+    """Router logits and the balancing term with ``output_router_logits=True`` against one process."""
+    from bench.coverage_models import model_class
+
+    cls = model_class(kind)
+    model = hf_moe_tp.from_pretrained(path, model_class=cls).train()
+    ref = cls.from_pretrained(path, experts_implementation="eager").train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4))
+    out, want = model(ids, output_router_logits=True), ref(ids, output_router_logits=True)
+    logits = max((a - b).abs().max().item() for a, b in zip(out.router_logits, want.router_logits, strict=True))
+    aux = abs(out.aux_loss.item() - want.aux_loss.item()) if getattr(want, "aux_loss", None) is not None else 0.0
+    return logits, aux, [tuple(t.shape) for t in out.router_logits]
+
+
+def test_router_called_by_the_layer(ranks, tmp_path):
+    """Gemma 4's decoder layer calls its router and experts itself, on flattened tokens: the router runs on the whole
+    sequence, and the logits it records come back whole (each rank's layer holds its rows of them)."""
+    import bench.coverage_models as cov
+
+    family = next(f for f in cov.discover() if f.name == "gemma4")
+    path, kind = cov.save_tiny(family, tmp_path, expert_hidden=24)
+    for logits, aux, shapes in ranks(2).run(_router_logits, str(path), kind):
+        assert logits <= TOL and aux <= TOL and all(s[0] == 22 for s in shapes), (logits, aux, shapes)
+
+
+def _packed(path: str) -> tuple[float, float, float]:
+    """Two sequences packed in one row (positions restarting, no attention mask): logits, loss and gradients."""
+    model = hf_moe_tp.from_pretrained(path).train()
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train()
+    ids = torch.randint(0, model.config.vocab_size, (1, 15), generator=torch.Generator().manual_seed(5))
+    positions = torch.cat([torch.arange(9), torch.arange(6)]).unsqueeze(0)
+    out = model(ids, position_ids=positions, labels=ids)
+    want = ref(ids, position_ids=positions, labels=ids)
+    out.loss.backward()
+    want.loss.backward()
+    grads = dict(ref.named_parameters())
+    worst = max(((p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) - grads[n].grad).abs().max().item()
+                for n, p in model.named_parameters())
+    return (out.logits - want.logits).abs().max().item(), abs(out.loss.item() - want.loss.item()), worst
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_packed_sequences(ranks, checkpoints, family):
+    """Packed sequences (position ids restarting inside a row): the positions and the block-diagonal mask are the
+    whole row's, made before the split; every number within 1e-5 of one process at TP 2 (8 rows a rank)."""
+    for r in ranks(2).run(_packed, checkpoints(family)):
+        assert max(r) <= TOL, r

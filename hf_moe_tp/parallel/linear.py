@@ -93,12 +93,15 @@ class LocalRowwiseParallel(RowwiseParallel):
 
         def sum_then_bias(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
             bias = biases.pop()
-            summed = scatter_rows(mod, out)  # sequence parallelism: this rank's rows of the sum
-            summed = sum_over_mesh(out, group) if summed is None else summed
+            rows = scatter_rows(mod, out)  # sequence parallelism: this rank's rows of the sum
+            summed = sum_over_mesh(out, group) if rows is None else rows
             if bias is None:
                 return summed
             mod._parameters["bias"] = bias
-            return summed + bias.to_local()
+            local = bias.to_local()
+            if rows is not None and local.requires_grad and torch.is_grad_enabled():
+                local = _SumGradOverMesh.apply(local, group)  # added to this rank's rows: its gradient is theirs
+            return summed + local
 
         module.register_forward_pre_hook(without_bias)
         module.register_forward_hook(sum_then_bias, always_call=True)

@@ -145,7 +145,9 @@ class SequenceParallel(ParallelStyle):
             split = self.split
             if split is None or not split.active:
                 return out
-            return _map_outputs(out, lambda t: _whole(t, split, comm) if split.form(t, split.local) == "seq" else t)
+            # the stream, and per-token tensors recorded on this rank's rows (a router called by the layer itself
+            # records its logits of the rows the layer holds)
+            return _map_outputs(out, lambda t: _whole(t, split, comm) if split.is_local(t) else t)
 
         module.register_forward_pre_hook(begin)
         module.register_forward_hook(end)
