@@ -44,6 +44,10 @@ def _layer_rows(model) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
     return shapes, projected
 
 
+def _whole_grad(p: torch.Tensor) -> torch.Tensor:
+    return p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+
+
 def _against_one_process(path: str, length: int, left_pad: int, kwargs: dict) -> dict:
     """Logits, hidden states, loss and every gradient of a training forward at the layout ``kwargs`` give, against
     transformers' model in one process; the rows each decoder layer's norm saw."""
@@ -60,10 +64,7 @@ def _against_one_process(path: str, length: int, left_pad: int, kwargs: dict) ->
     out.loss.backward()
     want.loss.backward()
     grads = dict(ref.named_parameters())
-    worst = 0.0
-    for name, p in model.named_parameters():
-        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        worst = max(worst, (g - grads[name].grad).abs().max().item())
+    worst = max((_whole_grad(p) - grads[n].grad).abs().max().item() for n, p in model.named_parameters())
     keep = mask.bool()
     return {"logits": (out.logits - want.logits)[keep].abs().max().item(),
             "hidden": max((a - b)[keep].abs().max().item() for a, b in zip(out.hidden_states, want.hidden_states,
@@ -177,7 +178,8 @@ def test_split_rows():
     assert split_for(torch.empty(2, 16, 8), 4).local == 4
     assert not split_for(torch.empty(2, 2, 8), 2).active and split_for(torch.empty(2, 3, 8), 2).active
     split = split_for(torch.empty(2, 12, 4, 8), 2)  # hyper-connection streams (DeepSeek-V4)
-    assert (split.local, split.form(torch.empty(2, 6, 4, 8), 6), split.form(torch.empty(12, 8), 6)) == (6, "seq", "flat")
+    assert split.local == 6 and split.form(torch.empty(2, 6, 4, 8), 6) == "seq"
+    assert split.form(torch.empty(12, 8), 6) == "flat"
     assert split.form(torch.empty(2, 12), 6) is None and split.form(torch.empty(1, 6, 8), 6) is None
 
 
@@ -255,8 +257,7 @@ def _packed(path: str) -> tuple[float, float, float]:
     out.loss.backward()
     want.loss.backward()
     grads = dict(ref.named_parameters())
-    worst = max(((p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) - grads[n].grad).abs().max().item()
-                for n, p in model.named_parameters())
+    worst = max((_whole_grad(p) - grads[n].grad).abs().max().item() for n, p in model.named_parameters())
     return (out.logits - want.logits).abs().max().item(), abs(out.loss.item() - want.loss.item()), worst
 
 
