@@ -171,8 +171,8 @@ def test_kernel_when_aligned_loop_otherwise(monkeypatch, dtype, hidden, kernels)
     assert len(calls) == kernels
 
 
-@pytest.mark.parametrize("dtype,hidden,kernels,backward", [(torch.float32, 32, 2, 4), (torch.float32, 18, 1, 2),
-                                                           (torch.bfloat16, 32, 2, 4)])
+@pytest.mark.parametrize("dtype,hidden,kernels,backward", [(torch.float32, 32, 2, 5), (torch.float32, 18, 1, 2),
+                                                           (torch.bfloat16, 32, 2, 5)])
 def test_storage_and_views(monkeypatch, dtype, hidden, kernels, backward):
     """Weights stored as transformers stores them, (E, out, in) and contiguous (FSDP2 shards them), ``w1``/``w3``
     /``w2`` views of them (writable: the seed's (E, dim, hidden) / (E, hidden, dim)); the kernel runs on the
@@ -197,7 +197,9 @@ def test_storage_and_views(monkeypatch, dtype, hidden, kernels, backward):
     assert len(calls) == kernels  # 2 grouped matmuls per forward where aligned: gate and up at once, then down
     (y * g).sum().backward()
     assert all(p.grad.stride() == p.stride() for p in m.parameters())
-    assert len(calls) == kernels + backward  # and 2 per aligned one in backward (input and weight gradients)
+    # and in backward 2 per aligned one (input and weight gradients), and the down projection's output once more
+    # (kept for the routing weights' gradient no longer, multiplied again)
+    assert len(calls) == kernels + backward
 
 
 @pytest.mark.parametrize("hidden", [32, 18])
@@ -268,3 +270,33 @@ def test_default_layout_is_the_fast_one_in_bf16():
     assert out.returncode == 0, out.stderr
     ratio = float(out.stdout.split("ratio")[1])
     assert ratio <= 2.0, out.stdout
+
+
+@pytest.mark.parametrize("dtype,hidden", [(torch.float32, 32), (torch.float32, 18), (torch.bfloat16, 32)])
+def test_kept_for_backward_without_changing_numbers(dtype, hidden):
+    """The experts keep neither the gathered rows nor the down projection's output for backward (gathered and
+    multiplied again there): every gradient is bit for bit what autograd gives through the plain path (a subclass
+    whose ``_matmul`` is its own takes that path), and the saved bytes are fewer than the rows and outputs."""
+    from hf_moe_tp.parallel.experts import GroupedExperts
+
+    class Plain(GroupedExperts):
+        def _matmul(self, rows, name, expert_of_row, offsets):
+            return super()._matmul(rows, name, expert_of_row, offsets)
+
+    index, weights = routing(TOKENS, EXPERTS, TOP_K)
+    x, g = torch.randn(TOKENS, DIM).to(dtype), torch.randn(TOKENS, DIM).to(dtype)
+    results = []
+    for cls in (GroupedExperts, Plain):
+        torch.manual_seed(0)
+        m = cls(EXPERTS, DIM, hidden, dtype=dtype)
+        xi, wi = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            y = m(xi, index, wi)
+        (y * g).sum().backward()
+        results.append((y, xi.grad, wi.grad, m.gate_up_proj.grad, m.down_proj.grad, sum(saved)))
+    for ours, plain in zip(results[0][:5], results[1][:5], strict=True):
+        assert torch.equal(ours, plain)
+    rows = TOKENS * TOP_K * DIM * x.element_size()  # the gathered rows; the down projection's output is as large
+    assert results[0][5] <= results[1][5] - 2 * rows, (results[0][5], results[1][5], rows)

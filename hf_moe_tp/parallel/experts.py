@@ -17,9 +17,9 @@ from .grouped_matmul import (
     batched_mm,
     gathered_grouped_mm,
     grouped_mm,
+    grouped_mm_backward,
     grouped_mm_loop,
     multiply,
-    weight_grad,
 )
 
 # transformers' experts implementations (``set_experts_implementation``) GroupedExperts runs, each computing what
@@ -332,10 +332,10 @@ def route(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Te
 
 
 class _DownCombine(torch.autograd.Function):
-    """``combine(grouped_mm(act, w, offsets), order, row_weights, ...)`` keeping ``act``, ``w`` and the weights for
-    backward rather than the down projection's output (each token's k rows at full width): the routing weights'
-    gradient ``sum(out * g)`` is ``sum(act * t)`` with ``t = g @ w^T``, the product the input's gradient is made of
-    anyway (``t`` times the weights). Two grouped matmuls in backward, as without."""
+    """``combine(grouped_mm(act, w, offsets), order, row_weights, ...)`` keeping ``act`` (kept anyway: the down
+    projection's input), ``w`` and the weights for backward rather than the down projection's output (each token's k
+    rows at full width), which the backward multiplies again for the weights' gradient: one more grouped matmul, and
+    then the very products autograd forms (the same numbers as without)."""
 
     @staticmethod
     def forward(ctx, act, w, offsets, order, row_weights, index_shape, dtype, loop):  # type: ignore[override]
@@ -346,17 +346,14 @@ class _DownCombine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         act, w, offsets, order, row_weights = ctx.saved_tensors
-        act = act.to(w.dtype)
-        scale = torch.promote_types(w.dtype, row_weights.dtype)  # the dtype combine weighted the rows in
+        out = multiply(act, w, offsets, ctx.loop)
+        scale = torch.promote_types(out.dtype, row_weights.dtype)  # the dtype combine weighted the rows in
         rows = grad.to(scale).unsqueeze(1).expand(*ctx.index_shape, grad.shape[-1]).reshape(-1, grad.shape[-1])
         rows = rows.index_select(0, order)  # each sorted row's gradient, before its weight
-        t = multiply(rows.to(w.dtype), w.transpose(-2, -1), offsets, ctx.loop)
-        grad_act = (t.to(scale) * row_weights).to(act.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = weight_grad(act, w, offsets, rows * row_weights, ctx.loop) if ctx.needs_input_grad[1] else None
-        grad_weights = None
-        if ctx.needs_input_grad[4]:
-            grad_weights = (act.to(scale) * t.to(scale)).sum(-1, keepdim=True).to(row_weights.dtype)
-        return grad_act, grad_w, None, None, grad_weights, None, None, None
+        grad_weights = (rows * out).sum(-1, keepdim=True) if ctx.needs_input_grad[4] else None
+        grad_act, grad_w = grouped_mm_backward(act.to(w.dtype), w, offsets, (rows * row_weights).to(out.dtype),
+                                               ctx.loop)
+        return grad_act.to(act.dtype), grad_w, None, None, grad_weights, None, None, None
 
 
 def combine(out: torch.Tensor, order: torch.Tensor, row_weights: torch.Tensor | None, index_shape: torch.Size,
