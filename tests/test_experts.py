@@ -290,9 +290,13 @@ def test_kept_for_backward_without_changing_numbers(dtype, hidden):
         torch.manual_seed(0)
         m = cls(EXPERTS, DIM, hidden, dtype=dtype)
         xi, wi = x.clone().requires_grad_(), weights.clone().requires_grad_()
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
-                                                      lambda t: t):
+        saved: list[int] = []
+
+        def pack(t: torch.Tensor, saved: list[int] = saved) -> torch.Tensor:
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y = m(xi, index, wi)
         (y * g).sum().backward()
         results.append((y, xi.grad, wi.grad, m.gate_up_proj.grad, m.down_proj.grad, sum(saved)))

@@ -22,8 +22,7 @@ FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "llam
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sequence_parallel")
-    made: dict[str, str] = {}
+    root, made = tmp_path_factory.mktemp("sequence_parallel"), {}
 
     def get(family: str) -> str:
         if family not in made:

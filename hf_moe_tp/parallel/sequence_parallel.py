@@ -211,7 +211,7 @@ class SequenceParallel(ParallelStyle):
             def scatter(out: torch.Tensor) -> torch.Tensor | None:
                 if split.form(out, split.length) != "seq":
                     return None
-                return _ReduceScatter.apply(out, comm, split.length)
+                return _Rows.apply(out, comm, split.length, True)
 
             for name in rowwise:
                 child = getattr(mod, name)
@@ -368,9 +368,9 @@ def is_region(module: nn.Module) -> bool:
 def _own(t: torch.Tensor, split: Split, comm: _Comm) -> torch.Tensor:
     """This rank's rows of the whole ``t`` (of the stream, or flattened tokens)."""
     if split.form(t, split.length) == "seq":
-        return _Scatter.apply(t, comm, split.length)
+        return _Rows.apply(t, comm, split.length, False)
     rest = t.shape[1:]
-    return _Scatter.apply(t.reshape(split.batch, split.length, *rest), comm, split.length).flatten(0, 1)
+    return _Rows.apply(t.reshape(split.batch, split.length, *rest), comm, split.length, False).flatten(0, 1)
 
 
 def _whole(t: torch.Tensor, split: Split, comm: _Comm) -> torch.Tensor:
@@ -439,18 +439,20 @@ class _Comm:
         return out
 
 
-class _Scatter(torch.autograd.Function):
-    """Whole (the same on every rank) -> this rank's rows; backward: every rank's rows of the gradient gathered,
-    the whole gradient (the same on every rank)."""
+class _Rows(torch.autograd.Function):
+    """The whole sequence (the same on every rank) -> this rank's rows, or with ``summed`` partial sums of it (a
+    row-wise projection's) -> this rank's rows of their sum (a reduce-scatter); backward: every rank's rows of the
+    gradient gathered, the whole gradient, which is also each partial sum's."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, comm: _Comm, length: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, t: torch.Tensor, comm: _Comm, length: int,  # type: ignore[override]
+                summed: bool) -> torch.Tensor:
         ctx.comm, ctx.length = comm, length
-        return comm.own(t)
+        return comm.reduce_scatter(t) if summed else comm.own(t)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        return ctx.comm.gather(grad, ctx.length), None, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        return ctx.comm.gather(grad, ctx.length), None, None, None
 
 
 class _Gather(torch.autograd.Function):
@@ -465,20 +467,6 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         return ctx.comm.own(grad), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    """Partial sums of the whole sequence -> this rank's rows of their sum; backward: the rows' gradients gathered
-    (the gradient of every rank's partial sum is the whole gradient)."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, comm: _Comm, length: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.comm, ctx.length = comm, length
-        return comm.reduce_scatter(t)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        return ctx.comm.gather(grad, ctx.length), None, None
 
 
 def _hidden_states(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict, Any]:
