@@ -35,11 +35,17 @@ def checkpoints(tmp_path_factory):
 def _layer_rows(model) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
     """Records the input shape of every decoder layer's first norm (what the residual stream holds there) and the
     output shape of its attention's ``o_proj`` (reduce-scattered to this rank's rows, or all-reduced whole)."""
+    from hf_moe_tp.parallel.linear import LocalRowwiseParallel
+    from hf_moe_tp.parallel.model_state import style_of
+
     shapes: list[tuple[int, ...]] = []
     projected: list[tuple[int, ...]] = []
     for layer in model.model.layers:
         layer.input_layernorm.register_forward_pre_hook(lambda mod, args: shapes.append(tuple(args[0].shape)))
-        layer.self_attn.o_proj.register_forward_hook(lambda mod, args, out: projected.append(tuple(out.shape)))
+        # a split o_proj (the row-wise style) gives this rank's rows; one the plan keeps whole, the sequence
+        split = isinstance(style_of(layer.self_attn.o_proj), LocalRowwiseParallel)
+        layer.self_attn.o_proj.register_forward_hook(
+            lambda mod, args, out, split=split: projected.append((split, tuple(out.shape))))
     return shapes, projected
 
 
@@ -76,12 +82,14 @@ def _against_one_process(path: str, length: int, left_pad: int, kwargs: dict) ->
 def test_tp2_matches_one_process(ranks, checkpoints, family):
     """TP 2 with sequence parallelism (the default): logits, every recorded hidden state, loss and every gradient
     within 1e-5 of one process, with a left-padded row; a sequence of 13 (padded to 14: 7 rows a rank), each
-    decoder layer's norm sees 7 rows, and its attention's o_proj reduce-scatters to them."""
+    decoder layer's norm sees 7 rows, and its attention's o_proj, where the plan splits it, reduce-scatters to them
+    (transformers 5.24 keeps DeepSeek-V3's attention whole: its o_proj is then all the sequence, cut after)."""
     for r in ranks(2).run(_against_one_process, checkpoints(family), 13, 4, {}):
         assert r["split"] == 1
         assert max(r["logits"], r["hidden"], r["loss"], r["grad"]) <= TOL, r
         assert r["rows"] and all(shape[1] == 7 for shape in r["rows"]), r["rows"]
-        assert r["projected"] and all(shape[1] == 7 for shape in r["projected"]), r["projected"]
+        assert r["projected"] and all(shape[1] == (7 if split else 13) for split, shape in r["projected"]), r
+        assert family != "mixtral" or all(split for split, _ in r["projected"])  # its plan splits o_proj
 
 
 @pytest.mark.parametrize("length", [16, 5])
@@ -96,7 +104,7 @@ def test_off_and_short_sequences_stay_whole(ranks, checkpoints):
     """``sequence_parallel=False`` keeps every row on every rank, and so does a forward of no more tokens than
     ranks (a decode step), with the same numbers."""
     for r in ranks(2).run(_against_one_process, checkpoints("mixtral"), 13, 0, {"sequence_parallel": False}):
-        assert r["split"] == 0 and all(shape[1] == 13 for shape in r["rows"] + r["projected"])
+        assert r["split"] == 0 and all(shape[1] == 13 for shape in r["rows"] + [p for _, p in r["projected"]])
         assert max(r["logits"], r["loss"], r["grad"]) <= TOL, r
     for r in ranks(2).run(_against_one_process, checkpoints("mixtral"), 2, 0, {}):
         assert r["split"] == 1 and all(shape[1] == 2 for shape in r["rows"])
