@@ -13,14 +13,7 @@ from transformers.activations import ACT2FN
 
 from .._compat import CONFIG_EXPERTS_IMPLEMENTATION, local_shape_and_offset
 from .boxes import shard_dim
-from .grouped_matmul import (
-    batched_mm,
-    gathered_grouped_mm,
-    grouped_mm,
-    grouped_mm_backward,
-    grouped_mm_loop,
-    multiply,
-)
+from .grouped_matmul import batched_mm, gathered_grouped_mm, grouped_mm_backward, multiply
 
 # transformers' experts implementations (``set_experts_implementation``) GroupedExperts runs, each computing what
 # transformers' does: one grouped matmul (torch's kernel where it takes the layout, else a loop), a loop over the
@@ -288,7 +281,10 @@ class GroupedExperts(nn.Module):
 
     def _weight(self, name: str) -> torch.Tensor:
         """This rank's weight ``name`` laid out (E, in, out) for the grouped matmul (a view)."""
-        weight = _local(getattr(self, name))
+        return self._in_out(_local(getattr(self, name)))
+
+    def _in_out(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` (laid out as the parameters) as (E, in, out), a view."""
         return weight if self.is_transposed else weight.transpose(-1, -2)
 
     def _matmul(self, rows: torch.Tensor, name: str, expert_of_row: torch.Tensor, offsets: torch.Tensor
@@ -302,13 +298,11 @@ class GroupedExperts(nn.Module):
                  ) -> torch.Tensor:
         """``rows`` times ``weight`` (this rank's experts, laid out as the parameters) by the implementation the
         config names."""
-        w = weight if self.is_transposed else weight.transpose(-1, -2)  # (E, in, out)
+        w = self._in_out(weight)
         implementation = self.implementation
         if implementation == "batched_mm":
             return batched_mm(rows, w, expert_of_row)
-        if implementation == "eager":
-            return grouped_mm_loop(rows, w, offsets)
-        return grouped_mm(rows, w, offsets)
+        return multiply(rows, w, offsets, implementation == "eager")
 
     def extra_repr(self) -> str:
         return (

@@ -35,10 +35,10 @@ from .model_state import placed, state_of, style_of
 logger = logging.getLogger(__name__)
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks FSDP2 wraps one by one: modules of the classes transformers keeps whole
-    (``_no_split_modules``), outermost only."""
-    names = set(getattr(model, MODEL_NO_SPLIT, None) or [])
+def decoder_layers(model: nn.Module, classes: tuple[str, ...] | None = None) -> list[nn.Module]:
+    """The repeated blocks FSDP2 wraps one by one: modules of ``model`` of the classes transformers keeps whole
+    (``_no_split_modules``, or the named ``classes``), outermost only."""
+    names = set(classes if classes is not None else getattr(model, MODEL_NO_SPLIT, None) or [])
     found: list[nn.Module] = []
     inside: set[int] = set()
     for module in model.modules():

@@ -77,18 +77,10 @@ def grouped_mm_backward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
     grad = grad.contiguous().to(w.dtype)
     if loop or not kernel_accepts(x, w):
         return torch.ops.hf_moe_tp.grouped_mm_loop_backward(x, w, offsets, grad)
-    return _KERNEL(grad, w.transpose(-2, -1), offs=offsets), weight_grad(x, w, offsets, grad, loop)
-
-
-def weight_grad(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor, loop: bool
-                ) -> torch.Tensor:
-    """The gradient of ``w`` alone of :func:`grouped_mm_backward`."""
-    grad = grad.contiguous().to(w.dtype)
-    if loop or not kernel_accepts(x, w):
-        return torch.ops.hf_moe_tp.grouped_mm_loop_backward(x, w, offsets, grad)[1]
+    grad_x = _KERNEL(grad, w.transpose(-2, -1), offs=offsets)
     if w.stride(-2) == 1:  # each w[g] stored (N, K): its gradient in the same layout
-        return _KERNEL(grad.transpose(-2, -1), x, offs=offsets).transpose(-2, -1)
-    return _KERNEL(x.transpose(-2, -1), grad, offs=offsets)
+        return grad_x, _KERNEL(grad.transpose(-2, -1), x, offs=offsets).transpose(-2, -1)
+    return grad_x, _KERNEL(x.transpose(-2, -1), grad, offs=offsets)
 
 
 def multiply(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, loop: bool) -> torch.Tensor:

@@ -37,7 +37,7 @@ from .linear import LocalColwiseParallel, LocalRowwiseParallel
 from .loss import split_loss
 from .meshes import Layout
 from .model_state import STYLE, family_of, state_of
-from .sequence_parallel import SequenceParallel, backbone_entry
+from .sequence_parallel import SequenceParallel, backbone_entry, is_region
 from .styles import (
     LocalDuringCall,
     LocalParams,
@@ -281,8 +281,6 @@ def _check_sequence_entry(pattern: str, names: list[str], modules: dict[str, nn.
     """A dict plan's ``sequence_parallel`` entry must name modules that compute on this rank's rows under
     sequence parallelism (norms: no matrix weight); one naming nothing, or attention or an MLP (which see the
     whole sequence), is refused by name."""
-    from .sequence_parallel import is_region
-
     if not names:
         raise ValueError(f"tp_plan entry {pattern!r}: 'sequence_parallel' names no module")
     regions = [n for n in names if is_region(modules[n])]

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from .fsdp import decoder_layers
 from .styles import _check_mesh, _SumGradOverMesh, swap_back, swap_in
 
 # On a row-wise projection that is a region's direct child, while the region runs a split forward: how its partial
@@ -43,13 +44,12 @@ SCATTER = "_hf_moe_tp_sequence_scatter"
 
 @dataclass(frozen=True)
 class Split:
-    """The current forward's sequence split: ``length`` whole rows (dim 1), ``local`` rows per rank (padded), over
-    ``size`` ranks, of a batch of ``batch``. A tensor of the stream has the sequence as dim 1 of 3 dims or more
+    """The current forward's sequence split: ``length`` whole rows (dim 1), ``local`` rows per rank (padded), of a
+    batch of ``batch``. A tensor of the stream has the sequence as dim 1 of 3 dims or more
     (batch, sequence, ..., features), or is flattened to (batch x sequence, ...) tokens."""
 
     length: int
     local: int
-    size: int
     batch: int
 
     @property
@@ -76,7 +76,7 @@ def split_for(hidden: torch.Tensor, size: int) -> Split:
     sequence has no more rows than ranks."""
     batch, length = hidden.shape[:2]
     local = -(-length // size) if length > size else length
-    return Split(length, local, size, batch)
+    return Split(length, local, batch)
 
 
 class SequenceParallel(ParallelStyle):
@@ -346,17 +346,6 @@ def scatter_rows(module: nn.Module, out: torch.Tensor) -> torch.Tensor | None:
     split forward and ``out`` is the whole sequence; None otherwise (the caller all-reduces)."""
     scatter = module.__dict__.get(SCATTER)
     return None if scatter is None else scatter(out)
-
-
-def decoder_layers(backbone: nn.Module, classes: tuple[str, ...]) -> list[nn.Module]:
-    """The outermost modules of ``backbone`` of the named classes."""
-    found: list[nn.Module] = []
-    inside: set[int] = set()
-    for module in backbone.modules():
-        if id(module) not in inside and type(module).__name__ in classes:
-            found.append(module)
-            inside.update(id(m) for m in module.modules())
-    return found
 
 
 def is_region(module: nn.Module) -> bool:
