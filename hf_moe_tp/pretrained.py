@@ -30,6 +30,7 @@ from .options import OPTIONS, LoadOptions
 from .parallel import plans
 from .parallel.balancing_loss import global_balancing_loss
 from .parallel.config import SETTINGS, ParallelConfig, has_replicas
+from .parallel.context_parallel import apply_context_parallel
 from .parallel.continuous_batching import bind_continuous_batching
 from .parallel.expert_balance import balance_experts
 from .parallel.expert_parallel import ExpertParallel
@@ -154,7 +155,8 @@ def make_layout(parallel: ParallelConfig, opts: LoadOptions | None = None, devic
     (:meth:`ParallelConfig.check_layout`, :meth:`LoadOptions.check_layout`)."""
     opts = opts or LoadOptions()
     check_mode(opts.check_inputs)  # the environment variable's mode too
-    layout = resolve_layout(device_mesh, parallel.ep_size, parallel.fsdp_size, parallel.dp_replicate_size)
+    layout = resolve_layout(device_mesh, parallel.ep_size, parallel.fsdp_size, parallel.dp_replicate_size,
+                            parallel.cp_size)
     if timeout is not None:
         set_timeout(layout.meshes(), timeout)
     parallel.check_layout(layout)
@@ -179,7 +181,8 @@ def make_plan(model: nn.Module, parallel: ParallelConfig, layout: Layout) -> dic
     mesh, ep_mesh = layout.tp, layout.ep
     ep_size = parallel.ep_size or (ep_mesh["ep"].size() if ep_mesh is not None else None)
     if parallel.tp_plan == "auto" or parallel.tp_plan:
-        plan = plans.tp_plan(model, mesh.size(), ep_size=ep_size, sequence_parallel=parallel.sequence_parallel)
+        sequence = False if layout.cp is not None else parallel.sequence_parallel
+        plan = plans.tp_plan(model, mesh.size(), ep_size=ep_size, sequence_parallel=sequence)
         if parallel.tp_plan != "auto":
             plan = plans.override(plan, parallel.tp_plan, model, mesh.size())
     else:
@@ -225,6 +228,8 @@ def place(model: nn.Module, plan: dict[str, ParallelStyle], layout: Layout, para
     apply_plan(model, layout.tp, plan, ep_mesh=layout.ep, replicate_rest=not layout.plain_below_fsdp())
     if opts.keep_quantized:
         place_scales(model)
+    if layout.cp is not None:  # after the plan: around the modules it placed
+        apply_context_parallel(model, layout.cp)
     same_draws_in_training(model, layout.tp)  # replicated random ops (router jitter, dropout) agree across TP
     if hasattr(model, "generate"):  # so do sampled tokens
         generate_on_leader_state(model, layout.tp)

@@ -196,7 +196,6 @@ def test_from_parallelism_config(unknown_world):
 
 @pytest.mark.parametrize("fields,named", [
     (dict(tp_size=2, cp_size=2), "cp_size=2"),
-    (dict(dp_shard_size=2, sp_size=2), "sp_size=2"),
     (dict(tp_size=2, tp_handler="async"), "tp_handler.enable_async_tp=True"),
 ])
 def test_parallelism_config_refused_by_name(fields, named):

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .meshes import Layout
 
 EP_DISPATCH = ("auto", "all_to_all", "all_reduce")
+CP_ATTENTION = ("ulysses", "ring")
 
 # DistributedConfig fields and the values we take; any other value is refused by name.
 SUPPORTED_DEFAULTS = {"pp_size": 1, "fsdp_plan": None, "ep_plan": None}
@@ -81,6 +82,13 @@ class ParallelConfig:
     the same numbers. ``None`` (default): on wherever TP splits the model and it is exact (not with dropout on the
     residual stream); ``True``: on, or refused naming why; ``False``: off. transformers'
     ``DistributedConfig(enable_sequence_parallel=True)`` is ``True``.
+
+    ``cp_size``: context parallelism (:mod:`hf_moe_tp.parallel.context_parallel`): each of ``cp_size`` ranks holds
+    1/cp of every sequence through every decoder layer (the world becomes ``(dp_replicate, fsdp, cp, tp)``; the
+    ranks of one ``cp`` x ``tp`` block take the same batch). ``cp_attention``: how attention sees the whole sequence:
+    ``"ulysses"`` (all-to-all between the sequence and the heads; any attention implementation); ``"ring"``
+    (torch's ``context_parallel``) is refused by name: not available yet. Not with expert parallelism or
+    sequence parallelism yet (refused by name); accelerate's ``sp_size`` (Ulysses) is ``cp_size``.
     """
 
     # the plan and the sizes
@@ -92,6 +100,8 @@ class ParallelConfig:
     ep_dispatch: str | None = None
     loss_parallel: bool = False
     sequence_parallel: bool | None = None
+    cp_size: int | None = None
+    cp_attention: str = "ulysses"
     mp_policy: MixedPrecisionPolicy | None = None
     offload_policy: OffloadPolicy | None = None
 
@@ -105,7 +115,7 @@ class ParallelConfig:
         if not (self.tp_plan == "auto" or self.tp_plan is None or isinstance(self.tp_plan, dict)):
             raise ValueError(f"tp_plan must be 'auto', None or a dict of module names to styles, got "
                              f"{self.tp_plan!r}")
-        for name in ("ep_size", "fsdp_size", "dp_replicate_size"):
+        for name in ("ep_size", "fsdp_size", "dp_replicate_size", "cp_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
                 raise ValueError(f"{name}={value!r} must be an int")
@@ -117,6 +127,18 @@ class ParallelConfig:
             raise ValueError(f"loss_parallel={self.loss_parallel!r} must be True or False")
         if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"sequence_parallel={self.sequence_parallel!r} must be None, True or False")
+        if self.cp_attention not in CP_ATTENTION:
+            raise ValueError(f"cp_attention={self.cp_attention!r} must be one of {CP_ATTENTION}")
+        if self.cp_attention == "ring":
+            raise ValueError("cp_attention='ring' (ring attention through torch's context_parallel, GPU SDPA) is not "
+                             "available in hf_moe_tp yet; use cp_attention='ulysses' (all-to-all between sequence "
+                             "and heads, any attention implementation)")
+        if (self.cp_size or 1) > 1 and (self.ep_size or 1) > 1:
+            raise ValueError(f"cp_size={self.cp_size} with ep_size={self.ep_size}: expert parallelism beside context "
+                             "parallelism is not supported yet; use TensorParallel experts (no ep_size)")
+        if (self.cp_size or 1) > 1 and self.sequence_parallel:
+            raise ValueError(f"sequence_parallel=True with cp_size={self.cp_size}: sequence parallelism inside TP "
+                             "beside context parallelism is not supported yet; leave sequence_parallel unset")
         if self.mp_policy is not None and not isinstance(self.mp_policy, MixedPrecisionPolicy):
             raise ValueError(f"mp_policy={self.mp_policy!r} must be a torch.distributed.fsdp.MixedPrecisionPolicy")
         if self.offload_policy is not None and not isinstance(self.offload_policy, OffloadPolicy):
@@ -192,23 +214,29 @@ class ParallelConfig:
     @classmethod
     def from_parallelism_config(cls, config: Any) -> ParallelConfig:
         """The config for accelerate's ``ParallelismConfig``: ``dp_replicate_size``, ``dp_shard_size`` (our
-        ``fsdp_size``) and ``tp_size`` (the rest of the world, checked against it when the world is known). Context
-        and sequence parallelism (``cp_size``, ``sp_size`` above 1), asynchronous TP (``tp_handler``'s
-        ``enable_async_tp``) and fields this version does not know raise ``ValueError`` naming them."""
+        ``fsdp_size``), ``tp_size`` (the rest of the world, checked against it when the world is known) and
+        ``sp_size`` (DeepSpeed-Ulysses there: our ``cp_size``). Its ``cp_size`` above 1 (ring attention),
+        asynchronous TP and fields this version does not know raise ``ValueError`` naming them."""
         known = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
-        refused = [f"{name}={getattr(config, name)!r}" for name in ("cp_size", "sp_size")
-                   if (getattr(config, name, 1) or 1) > 1]
+        cp, sp = getattr(config, "cp_size", 1) or 1, getattr(config, "sp_size", 1) or 1
+        refused = []
+        if cp > 1:  # accelerate's cp is torch's context_parallel: ring attention
+            refused.append(f"cp_size={cp} (ring attention, torch's context_parallel; sp_size is Ulysses, supported)")
+        if getattr(config, "sp_backend", "deepspeed") not in (None, "deepspeed") and sp > 1:
+            refused.append(f"sp_backend={config.sp_backend!r}")
         if getattr(getattr(config, "tp_handler", None), "enable_async_tp", False):
             refused.append("tp_handler.enable_async_tp=True")
         refused += [f"{name}={getattr(config, name)!r}" for name in sorted(known - set(PARALLELISM_HANDLED))
                     if getattr(config, name) not in (None, False, 1)]
         if refused:
             raise ValueError(f"ParallelismConfig field(s) not supported by hf_moe_tp: {', '.join(refused)} "
-                             f"(supported: dp_replicate_size, dp_shard_size, tp_size)")
+                             f"(supported: dp_replicate_size, dp_shard_size, tp_size, sp_size)")
         replicate = getattr(config, "dp_replicate_size", 1) or 1
         shard, tp = getattr(config, "dp_shard_size", 1) or 1, getattr(config, "tp_size", 1) or 1
-        _check_world("ParallelismConfig", {"tp_size": tp, "dp_shard_size": shard, "dp_replicate_size": replicate})
-        return cls(fsdp_size=shard if shard > 1 else None, dp_replicate_size=replicate if replicate > 1 else None)
+        _check_world("ParallelismConfig", {"tp_size": tp, **({"sp_size": sp} if sp > 1 else {}),
+                                           "dp_shard_size": shard, "dp_replicate_size": replicate})
+        return cls(fsdp_size=shard if shard > 1 else None, dp_replicate_size=replicate if replicate > 1 else None,
+                   cp_size=sp if sp > 1 else None)
 
 
 def has_replicas(layout: Layout) -> bool:

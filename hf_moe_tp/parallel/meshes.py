@@ -6,6 +6,9 @@ Layouts (world = product of the sizes):
 - ``(tp,)``: everything tensor-parallel; experts ``TensorParallel``, or ``ExpertParallel`` over the same ranks.
 - ``(fsdp, tp)`` and ``(dp_replicate, fsdp, tp)``: that, inside each data-parallel replica, with FSDP2
   (HSDP with a replicate dimension) over the data-parallel dimensions, experts included.
+- ``(..., cp, tp)``: any of these but ``(ep, tp)`` with context parallelism: each ``cp`` rank holds a block of
+  every sequence (:mod:`hf_moe_tp.parallel.context_parallel`); the ranks of one ``cp`` x ``tp`` block take the
+  same batch.
 - ``(ep, tp)``: attention over ``tp``, whole experts over ``ep``; each ep coordinate holds its own batch, so
   ``ep`` is also the data-parallel dimension of the dense layers (FSDP2 over it with ``fsdp_size`` = ep).
 
@@ -71,10 +74,11 @@ class Layout:
     ep: DeviceMesh | None = None
     dp: DeviceMesh | None = None
     expert_dp: DeviceMesh | None = None  # experts' FSDP2 mesh where it is not ``dp`` (transformers' ``efsdp``)
+    cp: DeviceMesh | None = None  # context parallelism: the ranks holding blocks of the same sequences
 
     def meshes(self) -> list[DeviceMesh]:
         """The meshes the model's collectives run on (those it has)."""
-        return [m for m in (self.tp, self.ep, self.dp, self.expert_dp) if m is not None]
+        return [m for m in (self.tp, self.ep, self.dp, self.expert_dp, self.cp) if m is not None]
 
     def plain_below_fsdp(self) -> bool:
         """Whether this layout splits nothing over ``tp`` (a TP size of 1) and has FSDP2 over its data-parallel
@@ -88,7 +92,7 @@ class Layout:
 
 
 def resolve_layout(device_mesh: DeviceMesh | None = None, ep_size: int | None = None, fsdp_size: int | None = None,
-                   dp_replicate_size: int | None = None) -> Layout:
+                   dp_replicate_size: int | None = None, cp_size: int | None = None) -> Layout:
     """The :class:`Layout` for a user's ``device_mesh`` or for the given sizes (the rest of the world is ``tp``).
 
     ``ep_size`` with data parallelism means what transformers' ``DistributedConfig`` means: equal to the TP
@@ -96,8 +100,11 @@ def resolve_layout(device_mesh: DeviceMesh | None = None, ep_size: int | None = 
     equal to ``fsdp_size``, experts over the data-parallel ranks (the ``(ep, tp)`` layout with ``tp`` of 1); with a
     TP size of 1 and dividing ``fsdp_size`` (or with replicas), experts over groups of ``ep_size`` data-parallel
     ranks and FSDP-sharded over the groups (transformers' ``efsdp``, :func:`_expert_fsdp_layout`).
-    Layouts other than these are refused by name.
+    ``cp_size`` (or a ``"cp"`` dimension of ``device_mesh``): context parallelism, a ``cp`` dimension before ``tp``
+    (:func:`_context_parallel_layout`). Layouts other than these are refused by name.
     """
+    if (cp_size or 1) > 1 or "cp" in ((device_mesh.mesh_dim_names or ()) if device_mesh is not None else ()):
+        return _context_parallel_layout(device_mesh, ep_size, fsdp_size or 1, dp_replicate_size or 1, cp_size)
     fsdp_size, dp_replicate_size = fsdp_size or 1, dp_replicate_size or 1
     for name, value in (("fsdp_size", fsdp_size), ("dp_replicate_size", dp_replicate_size), ("ep_size", ep_size)):
         if value is not None and value < 1:
@@ -134,6 +141,42 @@ def resolve_layout(device_mesh: DeviceMesh | None = None, ep_size: int | None = 
     if device_mesh.ndim > len([n for n in names if n in DP_SHARD_NAMES + DP_REPLICATE_NAMES]) + 1:
         raise ValueError(f"device_mesh names {names}: only 'tp', 'ep', {DP_SHARD_NAMES} and 'dp_replicate' are known")
     return Layout(tp, None, dp)
+
+
+def _context_parallel_layout(device_mesh: DeviceMesh | None, ep_size: int | None, fsdp_size: int,
+                             dp_replicate_size: int, cp_size: int | None) -> Layout:
+    """The layout with a ``cp`` dimension: ``device_mesh``'s (names among ``dp_replicate``, a shard name, ``cp``,
+    ``tp``) or ``(dp_replicate, fsdp, cp, tp)`` of the sizes (the rest of the world is ``tp``). Expert parallelism
+    beside it is refused by name."""
+    if ep_size not in (None, 1):
+        raise ValueError(f"ep_size={ep_size} with context parallelism: not supported yet")
+    if device_mesh is None:
+        init_process_group()
+        world = dist.get_world_size()
+        if world % (fsdp_size * dp_replicate_size * cp_size):
+            raise ValueError(f"dp_replicate_size={dp_replicate_size} x fsdp_size={fsdp_size} x cp_size={cp_size} "
+                             f"must divide the world size {world}")
+        sizes = {"dp_replicate": dp_replicate_size, "fsdp": fsdp_size, "cp": cp_size,
+                 "tp": world // (fsdp_size * dp_replicate_size * cp_size)}
+        keep = ("cp", "tp", "fsdp") if dp_replicate_size > 1 else ("cp", "tp")  # HSDP needs its shard dimension
+        sizes = {k: v for k, v in sizes.items() if v > 1 or k in keep}
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device_mesh = init_device_mesh(device, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+    names = device_mesh.mesh_dim_names or ()
+    known = {"cp", "tp", *DP_SHARD_NAMES, *DP_REPLICATE_NAMES}
+    if "cp" not in names or "tp" not in names or set(names) - known or names.index("cp") != len(names) - 2:
+        raise ValueError(f"device_mesh names {names}: context parallelism needs a 'cp' dimension just before 'tp', "
+                         f"beside {DP_SHARD_NAMES} and {DP_REPLICATE_NAMES} only")
+    if cp_size not in (None, device_mesh["cp"].size()):
+        raise ValueError(f"cp_size={cp_size} differs from the device_mesh's 'cp' size {device_mesh['cp'].size()}")
+    resolve_mesh(device_mesh)  # covers the world
+    dp = data_parallel_mesh(device_mesh)
+    if dp is not None:
+        _check_sizes(device_mesh, dp, fsdp_size, dp_replicate_size)
+    elif fsdp_size * dp_replicate_size > 1:
+        raise ValueError(f"fsdp_size={fsdp_size}, dp_replicate_size={dp_replicate_size}: the device_mesh (names "
+                         f"{names}) has no data-parallel dimension")
+    return Layout(device_mesh["tp"], None, dp, cp=device_mesh["cp"])
 
 
 def declare(model: torch.nn.Module, layout: Layout, ep_size: int = 1) -> None:
@@ -247,10 +290,11 @@ def _world(layout: Layout) -> torch.Tensor:
         return layout.tp.mesh.reshape(1, 1, 1, -1)
     pp = [names.index(n) for n in names if n == "pp"]
     replicate = [names.index(n) for n in names if n in DP_REPLICATE_NAMES]
-    rest = [i for i, n in enumerate(names) if i not in pp + replicate and n != "tp"]
+    cp = [names.index(n) for n in names if n == "cp"]  # a cp x tp block takes one batch: transformers' "tp" here
+    rest = [i for i, n in enumerate(names) if i not in pp + replicate + cp and n != "tp"]
     shape = (root.mesh.shape[pp[0]] if pp else 1, root.mesh.shape[replicate[0]] if replicate else 1, -1,
-             root.mesh.shape[names.index("tp")])
-    return root.mesh.permute(pp + replicate + rest + [names.index("tp")]).reshape(shape)
+             root.mesh.shape[names.index("tp")] * (root.mesh.shape[cp[0]] if cp else 1))
+    return root.mesh.permute(pp + replicate + rest + cp + [names.index("tp")]).reshape(shape)
 
 
 def data_parallel_rank(model) -> tuple[int, int]:

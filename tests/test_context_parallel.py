@@ -1,0 +1,201 @@
+"""Context parallelism (hf_moe_tp.parallel.context_parallel, Ulysses): each cp rank holds a block of every sequence
+through every decoder layer, and every number equals one process's (fp32: 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from families import save_family
+from test_training import batches, check, train_steps
+from transformers import AutoModelForCausalLM
+
+import hf_moe_tp
+from hf_moe_tp.parallel.config import ParallelConfig
+
+TOL = 1e-5
+FAMILIES = ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root, made = tmp_path_factory.mktemp("context_parallel"), {}
+
+    def get(family: str) -> str:
+        if family not in made:
+            made[family] = str(save_family(family, root))
+        return made[family]
+
+    return get
+
+
+def _whole_grad(p: torch.Tensor) -> torch.Tensor:
+    return p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+
+
+def _inputs(vocab: int, length: int, left_pad: int, packed: bool) -> dict:
+    g = torch.Generator().manual_seed(length)
+    ids = torch.randint(0, vocab, (2, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :left_pad] = 0  # the second row left-padded
+    kwargs = {"attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    if packed:  # two sequences in each row, positions restarting (no padding then)
+        half = length // 2 + 1
+        kwargs = {"position_ids": torch.cat([torch.arange(half), torch.arange(length - half)]).expand(2, -1),
+                  "labels": ids, "use_cache": False}  # as packing trainers run: transformers reads packing
+        # from the positions only without a cache
+    return {"input_ids": ids, **kwargs}
+
+
+def _against_one_process(path: str, length: int, left_pad: int, kwargs: dict, packed: bool = False) -> dict:
+    """Logits, hidden states, loss and every gradient of a training forward at the layout ``kwargs`` give, against
+    transformers' model in one process; the rows each decoder layer's first norm saw."""
+    model = hf_moe_tp.from_pretrained(path, **kwargs).train()
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train()
+    rows: list[int] = []
+    for layer in model.model.layers:
+        layer.input_layernorm.register_forward_pre_hook(lambda mod, args: rows.append(args[0].shape[1]))
+    inputs = _inputs(model.config.vocab_size, length, left_pad, packed)
+    out = model(**inputs, output_hidden_states=True)
+    want = ref(**inputs, output_hidden_states=True)
+    out.loss.backward()
+    want.loss.backward()
+    grads = dict(ref.named_parameters())
+    worst = max((_whole_grad(p) - grads[n].grad).abs().max().item() for n, p in model.named_parameters())
+    keep = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"])).bool()
+    return {"logits": (out.logits - want.logits)[keep].abs().max().item(),
+            "hidden": max((a - b)[keep].abs().max().item() for a, b in zip(out.hidden_states, want.hidden_states,
+                                                                             strict=True)),
+            "loss": abs(out.loss.item() - want.loss.item()), "grad": worst, "rows": rows}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cp2_matches_one_process(ranks, checkpoints, family):
+    """cp 2: logits, every recorded hidden state, loss and every gradient within 1e-5 of one process, with a
+    left-padded row; each decoder layer's norm sees 8 of the 16 rows."""
+    for r in ranks(2).run(_against_one_process, checkpoints(family), 16, 4, {"cp_size": 2}):
+        assert max(r["logits"], r["hidden"], r["loss"], r["grad"]) <= TOL, r
+        assert r["rows"] and all(n == 8 for n in r["rows"]), r["rows"]
+
+
+def test_cp2_tp2_matches_one_process(ranks, checkpoints):
+    """cp 2 x tp 2: the heads split over TP, then over cp inside attention; GPT-OSS (sinks, sliding windows, a
+    row-wise bias) within 1e-5 of one process."""
+    for r in ranks(4).run(_against_one_process, checkpoints("gpt_oss"), 16, 4, {"cp_size": 2}):
+        assert max(r["logits"], r["hidden"], r["loss"], r["grad"]) <= TOL, r
+        assert all(n == 8 for n in r["rows"]), r["rows"]
+
+
+def test_cp4_repeats_key_value_heads(ranks, checkpoints):
+    """cp 4 over Mixtral's 2 key / value heads (4 query heads): each repeated twice so the heads divide; 16 rows, 4 a
+    rank."""
+    for r in ranks(4).run(_against_one_process, checkpoints("mixtral"), 16, 4, {"cp_size": 4}):
+        assert max(r["logits"], r["hidden"], r["loss"], r["grad"]) <= TOL, r
+        assert all(n == 4 for n in r["rows"]), r["rows"]
+
+
+def test_packed_sequences(ranks, checkpoints):
+    """Two sequences packed in each row (positions restarting): the mask transformers builds from the positions is
+    whole on every rank and each block takes its tokens' rotary rows."""
+    for r in ranks(2).run(_against_one_process, checkpoints("qwen3_moe"), 16, 0, {"cp_size": 2}, True):
+        assert max(r["logits"], r["hidden"], r["loss"], r["grad"]) <= TOL, r
+
+
+LAYOUTS = {"cp2": (2, {"cp_size": 2}), "cp2_tp2": (4, {"cp_size": 2}), "dp2_cp2": (4, {"cp_size": 2, "fsdp_size": 2})}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_adamw_steps_match_one_process(ranks, checkpoints, layout):
+    """3 AdamW steps with clipping: loss and total norm per step within 1e-5; at dp 2 x cp 2 with FSDP2 (each cp pair
+    its own batch)."""
+    world, kwargs = LAYOUTS[layout]
+    check(ranks(world).run(train_steps, checkpoints("deepseek_v3"), kwargs))
+
+
+def _checkpointed_steps(path: str, reentrant: bool) -> tuple[list[float], list[float]]:
+    model = hf_moe_tp.from_pretrained(path, cp_size=2).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train()
+    out = []
+    for m in (model, ref):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6)
+        losses = []
+        for ids in batches(m.config.vocab_size):
+            loss = m(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out.append(losses)
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing(ranks, checkpoints, reentrant):
+    """Gradient checkpointing recomputes each layer from this rank's block: 3 AdamW steps equal one process's."""
+    for losses, want in ranks(2).run(_checkpointed_steps, checkpoints("mixtral"), reentrant):
+        assert max(abs(a - b) for a, b in zip(losses, want, strict=True)) <= TOL, (losses, want)
+
+
+def _refusals(path: str) -> dict:
+    model = hf_moe_tp.from_pretrained(path, cp_size=2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for name, call in (("odd", lambda: model(ids)), ("generate", lambda: model.generate(ids[:, :8])),
+                       ("attentions", lambda: model(ids[:, :8], output_attentions=True))):
+        try:
+            call()
+        except ValueError as e:
+            out[name] = str(e)
+    with torch.no_grad():  # a decode-sized forward runs whole; an eval forward keeps no cache of a block
+        short, whole = model(ids[:, :2]), model(ids[:, :8])
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
+    with torch.no_grad():
+        want_short, want = ref(ids[:, :2]), ref(ids[:, :8])
+    out["short"] = (short.logits - want_short.logits).abs().max().item()
+    out["whole"] = (whole.logits - want.logits).abs().max().item()
+    out["cache"] = whole.past_key_values
+    return out
+
+
+def test_refused_by_name_on_every_rank(ranks, checkpoints):
+    """A length that does not divide by cp, generate, output_attentions: refused by name on every rank (nothing
+    waits); a forward of no more tokens than ranks runs whole, and an evaluation forward returns no cache (it would
+    hold one block of keys), both with one process's logits."""
+    for r in ranks(2).run(_refusals, checkpoints("mixtral")):
+        assert "9 tokens does not divide by cp=2" in r["odd"] and "pad_to_multiple_of=2" in r["odd"]
+        assert "generate under context parallelism" in r["generate"]
+        assert "output_attentions=True" in r["attentions"]
+        assert max(r["short"], r["whole"]) <= TOL and r["cache"] is None, r
+
+
+def test_config_refusals():
+    """What cannot be honoured yet is refused by name when the config is made: ring attention, EP and sequence
+    parallelism beside cp; accelerate's cp_size (ring) refused, its sp_size (Ulysses) taken as cp_size."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    with pytest.raises(ValueError, match="cp_attention='ring'"):
+        ParallelConfig(cp_size=2, cp_attention="ring")
+    with pytest.raises(ValueError, match="cp_size=2 with ep_size=2"):
+        ParallelConfig(cp_size=2, ep_size=2)
+    with pytest.raises(ValueError, match="sequence_parallel=True with cp_size=2"):
+        ParallelConfig(cp_size=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="cp_size=2 .ring attention"):
+        ParallelConfig.from_parallelism_config(ParallelismConfig(cp_size=2))
+    assert ParallelConfig.from_parallelism_config(ParallelismConfig(sp_size=2)).cp_size == 2
+
+
+def test_unchecked_family_and_dropout_refused():
+    """A family not checked here (Llama 4: chunked attention, layers without rotary) and dropout (each rank would draw for its block) are refused by name."""
+    from families import configs
+
+    from hf_moe_tp.parallel.context_parallel import backbone_entry
+    from model_patches import meta_model
+
+    name, style = backbone_entry(meta_model(configs()["mixtral"]))
+    assert name == "model" and style.layers == ("MixtralDecoderLayer",)
+    with pytest.raises(ValueError, match="not checked on 'llama4_text'"):
+        backbone_entry(meta_model(configs()["llama4"]))
+    config = configs()["mixtral"]
+    config.attention_dropout = 0.1
+    with pytest.raises(ValueError, match="attention_dropout=0.1 would draw per rank's block"):
+        backbone_entry(meta_model(config))
