@@ -42,6 +42,8 @@ PRIVATE: dict[str, Private] = {p.path: p for p in (
             "meshes of one shape as equal whatever the rank, and would hand back the previous rank's mesh"),
     Private("torch", "torch.distributed.device_mesh:DeviceMesh._get_root_mesh", TORCH,
             "whether a 1-D mesh was cut from one covering the world; inspect's root layout"),
+    Private("torch", "torch.distributed.device_mesh:DeviceMesh._flatten", TORCH,
+            "context parallelism's cp x tp block as one group (the ranks of one batch: input check, Trainer)"),
     Private("torch", "torch.distributed.distributed_c10d:_set_pg_timeout", TORCH,
             "from_pretrained(timeout=) on groups the caller started (torch 2.14 publishes torch.distributed."
             "set_timeout, used where present)", "without either: a warning, the groups keep their own timeouts"),
@@ -196,6 +198,11 @@ def _graph_task_id() -> Any:
 def root_mesh(mesh):
     """The mesh ``mesh`` was cut from (itself if none)."""
     return resolve("torch.distributed.device_mesh:DeviceMesh._get_root_mesh")(mesh)
+
+
+def flatten_mesh(mesh, name: str):
+    """The 1-D mesh over all ranks of ``mesh`` (a sub-mesh of a named device mesh), named ``name``: one group."""
+    return resolve("torch.distributed.device_mesh:DeviceMesh._flatten")(mesh, name)
 
 
 def set_group_timeout(timeout: timedelta, group) -> bool:

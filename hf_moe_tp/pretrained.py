@@ -277,7 +277,7 @@ def wrap(model: nn.Module, layout: Layout, opts: LoadOptions | None = None, time
     declare(model, layout, _ep_size(model, layout))  # to transformers, its Trainer and accelerate
     bind_continuous_batching(model, layout, dist.get_world_size() if dist.is_initialized() else 1)
     explain_collective_failures(model, layout.meshes(), timeout)
-    check_inputs_on(model, layout.tp, opts.check_inputs)
+    check_inputs_on(model, layout.same_batch(), opts.check_inputs)
 
 
 def _ep_size(model: nn.Module, layout: Layout) -> int:

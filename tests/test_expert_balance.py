@@ -59,7 +59,8 @@ def _measure(path: str, kwargs: dict) -> dict:
             "warned": [str(w.message) for w in caught if "output_router_logits off" in str(w.message)]}
 
 
-LAYOUTS = {"one": (1, {}), "tp2": (2, {}), "ep2": (2, {"ep_size": 2}), "dp2_tp2": (4, {"fsdp_size": 2})}
+LAYOUTS = {"one": (1, {}), "tp2": (2, {}), "ep2": (2, {"ep_size": 2}), "dp2_tp2": (4, {"fsdp_size": 2}),
+           "cp2": (2, {"cp_size": 2}), "dp2_cp2": (4, {"cp_size": 2, "fsdp_size": 2})}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -199,7 +200,8 @@ def _by_hand(path: str, rate: float) -> torch.Tensor:
     return torch.stack([ref.get_submodule(n.removesuffix(".experts")).gate.e_score_correction_bias for n in experts])
 
 
-BALANCE_LAYOUTS = {"tp2": (2, {}), "ep2": (2, {"ep_size": 2}), "dp2_tp2": (4, {"fsdp_size": 2})}
+BALANCE_LAYOUTS = {"tp2": (2, {}), "ep2": (2, {"ep_size": 2}), "dp2_tp2": (4, {"fsdp_size": 2}),
+                   "cp2_tp2": (4, {"cp_size": 2})}
 
 
 def test_expert_bias_rule_matches_one_process_and_balances(ranks, skewed_deepseek):

@@ -28,8 +28,8 @@ def _forward(model, ids, **kwargs):
     return None
 
 
-def _mismatch(path: str, case: str, mode: str | None) -> dict:
-    model = hf_moe_tp.from_pretrained(path, check_inputs=mode)
+def _mismatch(path: str, case: str, mode: str | None, layout: dict | None = None) -> dict:
+    model = hf_moe_tp.from_pretrained(path, check_inputs=mode, **(layout or {}))
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(0)
     same = torch.randint(0, 128, (2, 10), generator=g)
@@ -68,6 +68,14 @@ def test_mismatched_inputs_raise_on_every_rank(ranks, mixtral, world, case, expe
         assert all(f"{r}: (2, {6 + r})" in message for r in range(world)), message
     for r in results:
         assert r["same_after"] is None and r["later_mismatch"] is None, r
+
+
+def test_context_parallel_block_checked_as_one(ranks, mixtral):
+    """cp 2 x tp 2: the four ranks of a block take one batch, so different ones raise on every rank, naming all
+    four."""
+    results = ranks(4).run(_mismatch, mixtral, "values", None, {"cp_size": 2})
+    messages = {r["first"] for r in results}
+    assert len(messages) == 1 and None not in messages and "[0, 1, 2, 3]" in messages.pop(), messages
 
 
 def test_always_checks_every_forward(ranks, mixtral):

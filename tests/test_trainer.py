@@ -86,6 +86,8 @@ LAYOUTS = {  # world, from_pretrained arguments, data-parallel size, gradient ac
     "ep2": (2, dict(ep_size=2), 1, 1),
     # through transformers' own from_pretrained after install(), with gradient accumulation
     "dp2_tp2_fsdp": (4, dict(distributed_config=dict(tp_size=2, fsdp_size=2)), 2, 2),
+    "cp2": (2, dict(cp_size=2), 1, 1),  # a cp group takes one batch, as a TP group does
+    "dp2_cp2_fsdp": (4, dict(cp_size=2, fsdp_size=2), 2, 1),
 }
 
 

@@ -79,8 +79,11 @@ def check_gradient_reduction(model: nn.Module) -> None:
     tp = getattr(model, MODEL_TP_SIZE, None) or 1
     if world == tp:
         return
+    state = placed(model)
+    cp = state.layout.cp.size() if state is not None and state.layout.cp is not None else 1
     for name, p in model.named_parameters():  # plain tensors: the Trainer averages their gradients itself
-        if p.requires_grad and isinstance(p, DTensor) and p.device_mesh.size() < world:
+        # (context parallelism sums the gradients over cp itself)
+        if p.requires_grad and isinstance(p, DTensor) and p.device_mesh.size() * cp < world:
             raise ValueError(f"parameter {name} lives on {p.device_mesh.size()} of {world} ranks, which train "
                              f"{world // tp} different batches, and nothing averages its gradient over them: load "
                              f"with fsdp_size={world // tp} (FSDP2 over the data-parallel ranks) to train this "
@@ -257,7 +260,7 @@ def _gather_once_per_tp_group(trainer: Any, model: nn.Module) -> Callable | None
     if trainer.args.eval_use_gather_object:
         raise ValueError("eval_use_gather_object=True with a tensor-parallel hf_moe_tp model: accelerate's "
                          "gather_object would return each batch once per TP rank; leave it False")
-    ranks = placed(model).layout.tp.mesh.flatten().tolist()
+    ranks = placed(model).layout.same_batch().mesh.flatten().tolist()
     if ranks != list(range(ranks[0], ranks[0] + tp)) or ranks[0] % tp:
         raise ValueError(f"the TP group of rank {dist.get_rank()} is ranks {ranks}: accelerate hands the same batches "
                          f"to blocks of {tp} consecutive ranks, so the Trainer needs TP as the last mesh dimension")

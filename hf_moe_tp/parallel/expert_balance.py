@@ -91,7 +91,9 @@ def _gather(model: nn.Module, since: str | None, reset: bool) -> torch.Tensor:
                 setattr(c, since, c.total.clone())
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(counts)
-        counts //= dist.get_world_size() // data_parallel_rank(model)[1]  # each batch's tokens, counted once
+        # each batch's tokens counted once: by one rank of each TP group (context parallelism: of each block's)
+        cp = state_of(model).layout.cp
+        counts //= dist.get_world_size() // data_parallel_rank(model)[1] // (cp.size() if cp is not None else 1)
     return counts
 
 
@@ -110,7 +112,7 @@ def routing_balance(load: torch.Tensor) -> dict[str, float]:
 def _remember_mask(model: nn.Module, args: tuple, kwargs: dict) -> None:
     mask = kwargs.get("attention_mask")
     flat = isinstance(mask, torch.Tensor) and mask.dim() == 2
-    state_of(model).token_mask = mask.reshape(-1) != 0 if flat else None
+    state_of(model).token_mask = mask != 0 if flat else None
     if model.training and kwargs.get("labels") is not None:
         _warn_if_balancing_term_off(model, kwargs)
 
@@ -155,6 +157,22 @@ def _forget_mask(model: nn.Module, args: tuple, out: object) -> None:
     state_of(model).token_mask = None
 
 
+def _token_mask(model: nn.Module, tokens: int) -> torch.Tensor | None:
+    """The non-padding flags of the ``tokens`` an experts module routes: the forward's mask flattened, or under
+    context parallelism this rank's block of each row; None when the mask does not match them."""
+    state = state_of(model)
+    mask = state.token_mask
+    if mask is None:
+        return None
+    if mask.numel() == tokens:
+        return mask.reshape(-1)
+    cp = state.layout.cp if state.layout is not None else None
+    block = tokens // mask.shape[0]
+    if cp is not None and tokens % mask.shape[0] == 0 and block * cp.size() == mask.shape[1]:
+        return mask.narrow(1, cp.get_local_rank() * block, block).reshape(-1)
+    return None
+
+
 def _counter(model: nn.Module):
     def count(module: GroupedExperts, args: tuple, kwargs: dict) -> None:
         index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
@@ -166,11 +184,11 @@ def _counter(model: nn.Module):
         if c.total is None or c.total.device != index.device:
             c.total = torch.zeros(module.num_experts, dtype=torch.long, device=index.device)
             c.at_reset, c.at_update = torch.zeros_like(c.total), torch.zeros_like(c.total)
-        mask = state_of(model).token_mask
+        mask = _token_mask(model, index.shape[0])
         with torch.no_grad():
             flat = index.reshape(-1).long()
             ones = torch.ones_like(flat)
-            if mask is not None and mask.numel() == index.shape[0]:  # padding tokens do not count
+            if mask is not None:  # padding tokens do not count
                 ones = ones * mask.to(flat.device).repeat_interleave(index.shape[1]).long()
             c.total.scatter_add_(0, flat, ones)
 

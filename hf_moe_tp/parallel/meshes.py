@@ -35,6 +35,7 @@ from .._compat import (
     MODEL_LOADED_DISTRIBUTED,
     MODEL_MESH_MANAGER,
     MODEL_TP_SIZE,
+    flatten_mesh,
     root_mesh,
 )
 from ..runtime.shutdown import release_at_exit
@@ -75,10 +76,15 @@ class Layout:
     dp: DeviceMesh | None = None
     expert_dp: DeviceMesh | None = None  # experts' FSDP2 mesh where it is not ``dp`` (transformers' ``efsdp``)
     cp: DeviceMesh | None = None  # context parallelism: the ranks holding blocks of the same sequences
+    block: DeviceMesh | None = None  # with ``cp``: its ``cp`` x ``tp`` ranks (one batch), flattened
 
     def meshes(self) -> list[DeviceMesh]:
         """The meshes the model's collectives run on (those it has)."""
-        return [m for m in (self.tp, self.ep, self.dp, self.expert_dp, self.cp) if m is not None]
+        return [m for m in (self.tp, self.ep, self.dp, self.expert_dp, self.cp, self.block) if m is not None]
+
+    def same_batch(self) -> DeviceMesh:
+        """The ranks that take the same batch as this one: its TP group, or its ``cp`` x ``tp`` block."""
+        return self.block if self.block is not None else self.tp
 
     def plain_below_fsdp(self) -> bool:
         """Whether this layout splits nothing over ``tp`` (a TP size of 1) and has FSDP2 over its data-parallel
@@ -176,7 +182,8 @@ def _context_parallel_layout(device_mesh: DeviceMesh | None, ep_size: int | None
     elif fsdp_size * dp_replicate_size > 1:
         raise ValueError(f"fsdp_size={fsdp_size}, dp_replicate_size={dp_replicate_size}: the device_mesh (names "
                          f"{names}) has no data-parallel dimension")
-    return Layout(device_mesh["tp"], None, dp, cp=device_mesh["cp"])
+    block = flatten_mesh(device_mesh["cp", "tp"], "cp_tp")
+    return Layout(device_mesh["tp"], None, dp, cp=device_mesh["cp"], block=block)
 
 
 def declare(model: torch.nn.Module, layout: Layout, ep_size: int = 1) -> None:

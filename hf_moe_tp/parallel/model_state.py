@@ -37,7 +37,7 @@ class ModelState:
     counting_tokens: bool = False  # every GroupedExperts counts the tokens routed to it
     fresh_units: bool = False  # FSDP2 units resharded around forwards (hf_moe_tp.parallel.fsdp)
     # the current forward's, cleared at its end
-    token_mask: torch.Tensor | None = None  # non-padding tokens, flattened
+    token_mask: torch.Tensor | None = None  # non-padding tokens (batch, sequence)
     router_logits: Any = None  # the backbone's router logits
 
 
