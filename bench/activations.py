@@ -10,7 +10,8 @@ labels = ids. Rows:
 
 - ``one process``: transformers' own model (``AutoModelForCausalLM``, its default experts) in this process;
 - ``tp 4``: ``hf_moe_tp.from_pretrained(path, sequence_parallel=False)`` on 4 ranks;
-- ``tp 4 + sp``: the same with sequence parallelism (``sequence_parallel=True``, the default where exact).
+- ``tp 4 + sp``: the same with sequence parallelism (``sequence_parallel=True``, the default where exact);
+- ``cp 4``, ``cp 2 x tp 2``: context parallelism (``cp_size=4``, ``cp_size=2``; Ulysses all-to-all attention).
 
 Saved bytes: every tensor the forward's autograd graph saves (``torch.autograd.graph.saved_tensors_hooks``),
 each storage once (a DTensor by its local shard), measured on rank 0 and the largest rank printed. Peak: the
@@ -38,7 +39,8 @@ WORLD = 4
 CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2,
               num_attention_heads=8, num_key_value_heads=4, vocab_size=4096, max_position_embeddings=32768,
               tie_word_embeddings=False)
-LAYOUTS = {"tp 4": dict(sequence_parallel=False), "tp 4 + sp": dict(sequence_parallel=True)}
+LAYOUTS = {"tp 4": dict(sequence_parallel=False), "tp 4 + sp": dict(sequence_parallel=True),
+           "cp 4": dict(cp_size=4), "cp 2 x tp 2": dict(cp_size=2)}
 LOSS_TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 MIB = 2**20
 

@@ -54,6 +54,8 @@ def _against_one_process(path: str, length: int, left_pad: int, kwargs: dict, pa
     rows: list[int] = []
     for layer in model.model.layers:
         layer.input_layernorm.register_forward_pre_hook(lambda mod, args: rows.append(args[0].shape[1]))
+    head: list[int] = []
+    model.lm_head.register_forward_pre_hook(lambda mod, args: head.append(args[0].shape[1]))
     inputs = _inputs(model.config.vocab_size, length, left_pad, packed)
     out = model(**inputs, output_hidden_states=True)
     want = ref(**inputs, output_hidden_states=True)
@@ -65,16 +67,18 @@ def _against_one_process(path: str, length: int, left_pad: int, kwargs: dict, pa
     return {"logits": (out.logits - want.logits)[keep].abs().max().item(),
             "hidden": max((a - b)[keep].abs().max().item() for a, b in zip(out.hidden_states, want.hidden_states,
                                                                              strict=True)),
-            "loss": abs(out.loss.item() - want.loss.item()), "grad": worst, "rows": rows}
+            "loss": abs(out.loss.item() - want.loss.item()), "grad": worst, "rows": rows, "head": head}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cp2_matches_one_process(ranks, checkpoints, family):
     """cp 2: logits, every recorded hidden state, loss and every gradient within 1e-5 of one process, with a
-    left-padded row; each decoder layer's norm sees 8 of the 16 rows."""
+    left-padded row; each decoder layer's norm sees 8 of the 16 rows, and so does the output projection (the loss
+    comes from this rank's block of logits; the outputs' logits are gathered after it)."""
     for r in ranks(2).run(_against_one_process, checkpoints(family), 16, 4, {"cp_size": 2}):
         assert max(r["logits"], r["hidden"], r["loss"], r["grad"]) <= TOL, r
         assert r["rows"] and all(n == 8 for n in r["rows"]), r["rows"]
+        assert r["head"] == [8], r["head"]
 
 
 def test_cp2_tp2_matches_one_process(ranks, checkpoints):
@@ -98,6 +102,16 @@ def test_packed_sequences(ranks, checkpoints):
     whole on every rank and each block takes its tokens' rotary rows."""
     for r in ranks(2).run(_against_one_process, checkpoints("qwen3_moe"), 16, 0, {"cp_size": 2}, True):
         assert max(r["logits"], r["hidden"], r["loss"], r["grad"]) <= TOL, r
+
+
+def test_tied_embeddings_and_split_vocabulary(ranks, tmp_path):
+    """The loss comes from each rank's block of logits: with the output projection tied to the embeddings (its
+    gradient from the block summed over cp, the embeddings' from the whole sequence not), and at cp 2 x tp 2 with
+    the vocabulary split too."""
+    path = str(save_family("mixtral", tmp_path, tied=True))
+    for world in (2, 4):
+        for r in ranks(world).run(_against_one_process, path, 16, 4, {"cp_size": 2}):
+            assert max(r["logits"], r["hidden"], r["loss"], r["grad"]) <= TOL, (world, r)
 
 
 LAYOUTS = {"cp2": (2, {"cp_size": 2}), "cp2_tp2": (4, {"cp_size": 2}), "dp2_cp2": (4, {"cp_size": 2, "fsdp_size": 2})}
@@ -185,7 +199,8 @@ def test_config_refusals():
 
 
 def test_unchecked_family_and_dropout_refused():
-    """A family not checked here (Llama 4: chunked attention, layers without rotary) and dropout (each rank would draw for its block) are refused by name."""
+    """A family not checked here (Llama 4: chunked attention, layers without rotary) and dropout (each rank would
+    draw for its block) are refused by name."""
     from families import configs
 
     from hf_moe_tp.parallel.context_parallel import backbone_entry

@@ -61,6 +61,7 @@ class ContextParallel(ParallelStyle):
         self.layers = tuple(layers)
         self.split: Split | None = None  # the current forward's; kept after it for gradient checkpointing
         self.comm: _Comm | None = None
+        self.loss_on_blocks = False  # this forward's loss comes from this rank's block of logits (block_loss)
 
     def __repr__(self) -> str:
         return f"ContextParallel(layers={self.layers})"
@@ -112,8 +113,16 @@ class ContextParallel(ParallelStyle):
                 return out
             if isinstance(out, dict) and out.get("past_key_values") is not None:
                 out["past_key_values"] = None  # a cache of this rank's block of keys: not handed on
-            # the stream, and per-token tensors recorded on this rank's block (router logits)
-            return _map_outputs(out, lambda t: _whole(t, split, comm) if split.is_local(t) else t)
+            # the stream, and per-token tensors recorded on this rank's block (router logits); the last hidden
+            # state stays a block where the head and the loss take it so (block_loss)
+            def whole(t: torch.Tensor) -> torch.Tensor:
+                return _whole(t, split, comm) if split.is_local(t) else t
+
+            if self.loss_on_blocks and isinstance(out, dict):
+                for key in [k for k in out.keys() if k != "last_hidden_state"]:
+                    out[key] = _map_outputs(out[key], whole)
+                return out
+            return _map_outputs(out, whole)
 
         module.register_forward_pre_hook(begin, with_kwargs=True)
         module.register_forward_hook(end)
@@ -316,12 +325,14 @@ def backbone_entry(model: nn.Module) -> tuple[str, ContextParallel]:
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Put :class:`ContextParallel` on ``model``'s text backbone over the 1-D ``mesh`` (after the TP plan), and
-    make ``generate`` refuse by name."""
+    """Put :class:`ContextParallel` on ``model``'s text backbone over the 1-D ``mesh`` (after the TP plan), have a
+    causal LM's forwards with labels take the loss from this rank's block of logits (:func:`block_loss`), and make
+    ``generate`` refuse by name."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     name, style = backbone_entry(model)
     parallelize_module(model, mesh, {name: style})
+    _loss_on_blocks(model, style)
     if hasattr(model, "generate"):
         generate = type(model).generate
 
@@ -331,3 +342,80 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
                              "only; generate with a model loaded without cp_size")
 
         model.generate = types.MethodType(refused, model)
+
+
+def _loss_on_blocks(model: nn.Module, style: ContextParallel) -> None:
+    """Where ``model`` is a causal LM with transformers' loss (or the vocabulary-split one of
+    :mod:`hf_moe_tp.parallel.loss`): in a forward with ``labels`` the backbone hands the head this rank's block,
+    the loss comes from the block of logits (:func:`block_loss`) and the outputs' logits are gathered whole after
+    it, except in a training forward whose logits stay split (``loss_parallel``, inside ``loss_only``: then they
+    are this rank's block). Elsewhere the backbone's output is gathered and the loss is computed whole."""
+    import inspect
+
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from .loss import causal_lm_loss, logits_stay_split
+
+    inner = getattr(model, "loss_function", None)
+    params = list(inspect.signature(model.forward).parameters)
+    if inner not in (ForCausalLMLoss, causal_lm_loss) or "labels" not in params:
+        return
+    position = params.index("labels")
+
+    def with_labels(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        labels = kwargs["labels"] if "labels" in kwargs else (args[position] if len(args) > position else None)
+        style.loss_on_blocks = labels is not None and not kwargs.get("logits_to_keep")
+
+    def gather(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        split, on_blocks = style.split, style.loss_on_blocks
+        style.loss_on_blocks = False
+        logits = getattr(output, "logits", None)
+        if (not on_blocks or split is None or not split.active or not isinstance(logits, torch.Tensor)
+                or isinstance(logits, DTensor) or logits_stay_split(mod, output)):
+            return output
+        output.logits = _whole(logits, split, style.comm)
+        return output
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        return
+    style._sum_block_grads(head, style.comm, False)  # the head on a block: its gradient summed over cp
+    model.loss_function = functools.partial(block_loss, style, inner)
+    model.register_forward_pre_hook(with_labels, with_kwargs=True)
+    model.register_forward_hook(gather, with_kwargs=True, always_call=True)
+
+
+def block_loss(style: ContextParallel, inner, logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int,
+               num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
+               shift_labels: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    """transformers' causal-LM loss (``inner``: its own, or the vocabulary-split one) of logits that are this rank's
+    block of the sequence: the labels shifted whole (tokens < n predict n, across blocks as one process shifts
+    them), this block's cut, the sum of its losses divided by the whole sequence's count of targets (or
+    ``num_items_in_batch``), summed over ``cp``: the same number on every rank, one process's. Logits of the whole
+    sequence go to ``inner`` as they are."""
+    split, comm = style.split, style.comm
+    if split is None or not split.active or logits.shape[1] != split.local:
+        return inner(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
+                     shift_labels=shift_labels, **kwargs)
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    count = num_items_in_batch if num_items_in_batch is not None else (shift_labels != ignore_index).sum()
+    block = shift_labels.narrow(1, comm.rank * split.local, split.local).contiguous()
+    part = inner(logits, None, vocab_size, num_items_in_batch=count, ignore_index=ignore_index, shift_labels=block,
+                 **kwargs)
+    return _SumOverRanks.apply(part, comm.group)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """The sum of every rank's ``t`` (the same on every rank); backward: the gradient as it is, each rank's part
+    of the sum taking the sum's gradient."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        out = t.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None

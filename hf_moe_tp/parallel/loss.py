@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .linear import KEEP_SPLIT, LocalColwiseParallel, gather_kept_split
+from .model_state import style_of
 
 # Inside loss_only(): a plain global, not a ContextVar, which torch.compile cannot read (a graph break)
 _loss_only = {"depth": 0}
@@ -106,8 +107,7 @@ def split_loss(model: nn.Module, plan: dict) -> bool:
         if isinstance(output, tuple):  # return_dict=False
             return tuple(_whole(x) for x in output)
         logits = getattr(output, "logits", None)
-        stay = (module.training and getattr(output, "loss", None) is not None
-                and (keep_split_in_training or _loss_only["depth"] > 0))
+        stay = logits_stay_split(module, output, keep_split_in_training)
         if isinstance(logits, DTensor) and not stay:
             output.logits = _whole(logits)
         return output
@@ -116,6 +116,17 @@ def split_loss(model: nn.Module, plan: dict) -> bool:
     model.register_forward_pre_hook(keep_split_with_labels, with_kwargs=True)
     model.register_forward_hook(gather, with_kwargs=True, always_call=True)
     return True
+
+
+def logits_stay_split(model: nn.Module, output: object, loss_parallel: bool | None = None) -> bool:
+    """Whether ``output``'s logits stay as the loss took them, split: a training forward that computed a loss,
+    under ``loss_parallel`` (``None``: as ``model``'s output projection's style says) or inside :func:`loss_only`."""
+    if not (model.training and getattr(output, "loss", None) is not None):
+        return False
+    if loss_parallel is None:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        loss_parallel = bool(getattr(style_of(head), "keep_split_in_training", False)) if head is not None else False
+    return loss_parallel or _loss_only["depth"] > 0
 
 
 def _whole(x: object) -> object:
