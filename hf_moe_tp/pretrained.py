@@ -181,8 +181,7 @@ def make_plan(model: nn.Module, parallel: ParallelConfig, layout: Layout) -> dic
     mesh, ep_mesh = layout.tp, layout.ep
     ep_size = parallel.ep_size or (ep_mesh["ep"].size() if ep_mesh is not None else None)
     if parallel.tp_plan == "auto" or parallel.tp_plan:
-        sequence = False if layout.cp is not None else parallel.sequence_parallel
-        plan = plans.tp_plan(model, mesh.size(), ep_size=ep_size, sequence_parallel=sequence)
+        plan = plans.tp_plan(model, mesh.size(), ep_size=ep_size, sequence_parallel=parallel.sequence_parallel)
         if parallel.tp_plan != "auto":
             plan = plans.override(plan, parallel.tp_plan, model, mesh.size())
     else:

@@ -81,12 +81,15 @@ def test_cp2_matches_one_process(ranks, checkpoints, family):
         assert r["head"] == [8], r["head"]
 
 
-def test_cp2_tp2_matches_one_process(ranks, checkpoints):
+@pytest.mark.parametrize("sequence_parallel", [None, False])
+def test_cp2_tp2_matches_one_process(ranks, checkpoints, sequence_parallel):
     """cp 2 x tp 2: the heads split over TP, then over cp inside attention; GPT-OSS (sinks, sliding windows, a
-    row-wise bias) within 1e-5 of one process."""
-    for r in ranks(4).run(_against_one_process, checkpoints("gpt_oss"), 16, 4, {"cp_size": 2}):
+    row-wise bias) within 1e-5 of one process. Sequence parallelism (on by default) splits each block over TP
+    between the regions: the norms see 4 rows; off, 8."""
+    kwargs = {"cp_size": 2, "sequence_parallel": sequence_parallel}
+    for r in ranks(4).run(_against_one_process, checkpoints("gpt_oss"), 16, 4, kwargs):
         assert max(r["logits"], r["hidden"], r["loss"], r["grad"]) <= TOL, r
-        assert all(n == 8 for n in r["rows"]), r["rows"]
+        assert all(n == (8 if sequence_parallel is False else 4) for n in r["rows"]), r["rows"]
 
 
 def test_cp4_repeats_key_value_heads(ranks, checkpoints):
@@ -183,16 +186,13 @@ def test_refused_by_name_on_every_rank(ranks, checkpoints):
 
 
 def test_config_refusals():
-    """What cannot be honoured yet is refused by name when the config is made: ring attention, EP and sequence
-    parallelism beside cp; accelerate's cp_size (ring) refused, its sp_size (Ulysses) taken as cp_size."""
+    """What cannot be honoured yet is refused by name when the config is made: ring attention, EP beside cp; accelerate's cp_size (ring) refused, its sp_size (Ulysses) taken as cp_size."""
     from accelerate.parallelism_config import ParallelismConfig
 
     with pytest.raises(ValueError, match="cp_attention='ring'"):
         ParallelConfig(cp_size=2, cp_attention="ring")
     with pytest.raises(ValueError, match="cp_size=2 with ep_size=2"):
         ParallelConfig(cp_size=2, ep_size=2)
-    with pytest.raises(ValueError, match="sequence_parallel=True with cp_size=2"):
-        ParallelConfig(cp_size=2, sequence_parallel=True)
     with pytest.raises(ValueError, match="cp_size=2 .ring attention"):
         ParallelConfig.from_parallelism_config(ParallelismConfig(cp_size=2))
     assert ParallelConfig.from_parallelism_config(ParallelismConfig(sp_size=2)).cp_size == 2

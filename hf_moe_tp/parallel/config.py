@@ -136,9 +136,6 @@ class ParallelConfig:
         if (self.cp_size or 1) > 1 and (self.ep_size or 1) > 1:
             raise ValueError(f"cp_size={self.cp_size} with ep_size={self.ep_size}: expert parallelism beside context "
                              "parallelism is not supported yet; use TensorParallel experts (no ep_size)")
-        if (self.cp_size or 1) > 1 and self.sequence_parallel:
-            raise ValueError(f"sequence_parallel=True with cp_size={self.cp_size}: sequence parallelism inside TP "
-                             "beside context parallelism is not supported yet; leave sequence_parallel unset")
         if self.mp_policy is not None and not isinstance(self.mp_policy, MixedPrecisionPolicy):
             raise ValueError(f"mp_policy={self.mp_policy!r} must be a torch.distributed.fsdp.MixedPrecisionPolicy")
         if self.offload_policy is not None and not isinstance(self.offload_policy, OffloadPolicy):

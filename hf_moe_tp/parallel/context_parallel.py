@@ -127,7 +127,8 @@ class ContextParallel(ParallelStyle):
         module.register_forward_pre_hook(begin, with_kwargs=True)
         module.register_forward_hook(end)
         for layer in layers:
-            layer.register_forward_pre_hook(enter_layer, with_kwargs=True)
+            # before sequence parallelism's, which then splits this rank's block over tp
+            layer.register_forward_pre_hook(enter_layer, with_kwargs=True, prepend=True)
         for attn in attention:
             attn.__dict__[CONTEXT] = self
             _route_attention(attn)
@@ -148,8 +149,10 @@ class ContextParallel(ParallelStyle):
         def wrap(mod: nn.Module, args: tuple, kwargs: dict) -> None:
             split = self.split
             _, _, hidden = _hidden_states(mod, args, kwargs)
-            block = (split is not None and split.active and torch.is_grad_enabled()
-                     and (in_layer or split.is_local(hidden)))
+            block = split is not None and split.active and torch.is_grad_enabled() and (in_layer or (
+                # the stream of a block (of its rows under sequence parallelism), not the whole sequence
+                isinstance(hidden, torch.Tensor) and hidden.dim() >= 3 and hidden.shape[0] == split.batch
+                and hidden.shape[1] < split.length))
             slots = [(mod._parameters, n) for n, p in mod._parameters.items() if block and _trainable(p)]
             swapped.append(swap_in(slots, lambda t: _sum_over(t, comm.group), swaps=_trainable))
 
