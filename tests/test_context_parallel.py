@@ -186,7 +186,8 @@ def test_refused_by_name_on_every_rank(ranks, checkpoints):
 
 
 def test_config_refusals():
-    """What cannot be honoured yet is refused by name when the config is made: ring attention, EP beside cp; accelerate's cp_size (ring) refused, its sp_size (Ulysses) taken as cp_size."""
+    """What cannot be honoured yet is refused by name when the config is made: ring attention, EP beside cp;
+    accelerate's cp_size (ring) refused, its sp_size (Ulysses) taken as cp_size."""
     from accelerate.parallelism_config import ParallelismConfig
 
     with pytest.raises(ValueError, match="cp_attention='ring'"):
