@@ -128,6 +128,29 @@ def test_adamw_steps_match_one_process(ranks, checkpoints, layout):
     check(ranks(world).run(train_steps, checkpoints("deepseek_v3"), kwargs))
 
 
+EIGHT = {"dp2_cp2_tp2": {"cp_size": 2, "fsdp_size": 2},
+         "dp_replicate2_dp2_cp2": {"cp_size": 2, "fsdp_size": 2, "dp_replicate_size": 2, "read_once": False}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(EIGHT))
+def test_eight_ranks_match_one_process(ranks, checkpoints, layout):
+    """dp 2 x cp 2 x tp 2 (FSDP2 around TP with sequence parallelism inside each block) and HSDP over cp 2: 3 AdamW
+    steps equal one process's."""
+    check(ranks(8).run(train_steps, checkpoints("qwen3_moe"), EIGHT[layout]))
+
+
+def _read(path: str, kwargs: dict) -> int:
+    return hf_moe_tp.from_pretrained(path, **kwargs).hf_moe_tp.load_report.bytes_read
+
+
+def test_cp_ranks_read_what_their_tp_peers_read(ranks, checkpoints):
+    """Loading at cp 2 x tp 2: each rank reads the bytes a TP 2 rank reads, nothing more."""
+    path = checkpoints("qwen3_moe")
+    tp2 = ranks(2).run(_read, path, {})
+    assert ranks(4).run(_read, path, {"cp_size": 2}) == tp2 * 2, tp2
+
+
 def _checkpointed_steps(path: str, reentrant: bool) -> tuple[list[float], list[float]]:
     model = hf_moe_tp.from_pretrained(path, cp_size=2).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
@@ -200,17 +223,19 @@ def test_config_refusals():
 
 
 def test_unchecked_family_and_dropout_refused():
-    """A family not checked here (Llama 4: chunked attention, layers without rotary) and dropout (each rank would
-    draw for its block) are refused by name."""
+    """A family not checked (LongCat-Flash, whose gradients differ at cp 2 in bench/context_parallel.py) and dropout
+    (each rank would draw for its block) are refused by name."""
     from families import configs
 
+    from bench.coverage_models import build_config, discover
     from hf_moe_tp.parallel.context_parallel import backbone_entry
     from model_patches import meta_model
 
     name, style = backbone_entry(meta_model(configs()["mixtral"]))
     assert name == "model" and style.layers == ("MixtralDecoderLayer",)
-    with pytest.raises(ValueError, match="not checked on 'llama4_text'"):
-        backbone_entry(meta_model(configs()["llama4"]))
+    longcat = next(f for f in discover() if f.name == "longcat_flash")
+    with pytest.raises(ValueError, match="not checked on 'longcat_flash'"):
+        backbone_entry(meta_model(build_config(longcat, 24)[0]))
     config = configs()["mixtral"]
     config.attention_dropout = 0.1
     with pytest.raises(ValueError, match="attention_dropout=0.1 would draw per rank's block"):
