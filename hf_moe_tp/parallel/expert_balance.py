@@ -29,7 +29,7 @@ from .._compat import in_backward
 from ..runtime import changes
 from .experts import GroupedExperts
 from .meshes import data_parallel_rank
-from .model_state import state_of
+from .model_state import placed, state_of
 
 STATE = "_hf_moe_tp_token_counts"  # the per-module counters
 
@@ -92,7 +92,8 @@ def _gather(model: nn.Module, since: str | None, reset: bool) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(counts)
         # each batch's tokens counted once: by one rank of each TP group (context parallelism: of each block's)
-        cp = state_of(model).layout.cp
+        state = placed(model)
+        cp = state.layout.cp if state is not None else None
         counts //= dist.get_world_size() // data_parallel_rank(model)[1] // (cp.size() if cp is not None else 1)
     return counts
 
