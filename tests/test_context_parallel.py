@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from families import save_family
-from test_training import batches, check, train_steps
+from test_sequence_parallel import checkpointed_steps
+from test_training import check, train_steps
 from transformers import AutoModelForCausalLM
 
 import hf_moe_tp
@@ -151,28 +152,10 @@ def test_cp_ranks_read_what_their_tp_peers_read(ranks, checkpoints):
     assert ranks(4).run(_read, path, {"cp_size": 2}) == tp2 * 2, tp2
 
 
-def _checkpointed_steps(path: str, reentrant: bool) -> tuple[list[float], list[float]]:
-    model = hf_moe_tp.from_pretrained(path, cp_size=2).train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train()
-    out = []
-    for m in (model, ref):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6)
-        losses = []
-        for ids in batches(m.config.vocab_size):
-            loss = m(ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        out.append(losses)
-    return out[0], out[1]
-
-
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing(ranks, checkpoints, reentrant):
     """Gradient checkpointing recomputes each layer from this rank's block: 3 AdamW steps equal one process's."""
-    for losses, want in ranks(2).run(_checkpointed_steps, checkpoints("mixtral"), reentrant):
+    for losses, want in ranks(2).run(checkpointed_steps, checkpoints("mixtral"), reentrant, {"cp_size": 2}):
         assert max(abs(a - b) for a, b in zip(losses, want, strict=True)) <= TOL, (losses, want)
 
 
@@ -240,3 +223,13 @@ def test_unchecked_family_and_dropout_refused():
     config.attention_dropout = 0.1
     with pytest.raises(ValueError, match="attention_dropout=0.1 would draw per rank's block"):
         backbone_entry(meta_model(config))
+
+
+def test_key_value_heads_repeated_the_fewest_times():
+    """Key / value heads repeated so they divide by cp while each query group keeps one of them: not at all where
+    they divide, else the fewest times (two for one head per TP rank at cp 2, as at TP 8)."""
+    from hf_moe_tp.parallel.context_parallel import _kv_repeat
+
+    assert _kv_repeat(8, 4, 4) == 1 and _kv_repeat(4, 2, 2) == 1
+    assert _kv_repeat(4, 1, 2) == 2 and _kv_repeat(8, 2, 4) == 2 and _kv_repeat(12, 2, 4) == 2
+    assert _kv_repeat(12, 3, 4) == 4 and _kv_repeat(8, 1, 8) == 8

@@ -122,8 +122,9 @@ def test_adamw_steps_match_one_process(ranks, checkpoints, layout):
     check(ranks(world).run(train_steps, checkpoints("qwen2_moe"), {**LAYOUTS[layout], "sequence_parallel": True}))
 
 
-def _checkpointed_steps(path: str, reentrant: bool) -> tuple[list[float], list[float]]:
-    model = hf_moe_tp.from_pretrained(path).train()
+def checkpointed_steps(path: str, reentrant: bool, kwargs: dict | None = None) -> tuple[list[float], list[float]]:
+    """3 AdamW steps with gradient checkpointing at the layout ``kwargs`` give, and in one process: the losses."""
+    model = hf_moe_tp.from_pretrained(path, **(kwargs or {})).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").train()
     out = []
@@ -143,7 +144,7 @@ def _checkpointed_steps(path: str, reentrant: bool) -> tuple[list[float], list[f
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing(ranks, checkpoints, reentrant):
     """Gradient checkpointing recomputes each layer from this rank's rows: 3 AdamW steps equal one process's."""
-    for losses, want in ranks(2).run(_checkpointed_steps, checkpoints("mixtral"), reentrant):
+    for losses, want in ranks(2).run(checkpointed_steps, checkpoints("mixtral"), reentrant):
         assert max(abs(a - b) for a, b in zip(losses, want, strict=True)) <= TOL, (losses, want)
 
 
