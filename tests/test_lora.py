@@ -214,6 +214,30 @@ EXPERT_LAYOUTS = {"tp2": (2, {}), "tp4": (4, {}), "dp2_tp2": (4, dict(fsdp_size=
                   "dp4": (4, dict(fsdp_size=4))}
 
 
+# GPT-OSS's experts (interleaved gate / up, clamped activation, biases, down_proj_bias added once over the ranks
+# splitting down_proj) at TP, PEFT's recipe; and with target_modules="all-linear" beside it (router included or not
+# as PEFT decides on transformers' model)
+GPT_OSS_LAYOUTS = {"tp2": (2, {}, EXPERTS), "tp4": (4, {}, EXPERTS), "dp2_tp2": (4, dict(fsdp_size=2), EXPERTS),
+                   "tp2_all_linear": (2, {}, dict(EXPERTS, target_modules="all-linear"))}
+
+
+@pytest.mark.parametrize("layout", sorted(GPT_OSS_LAYOUTS))
+def test_lora_on_gpt_oss_experts(ranks, checkpoints, tmp_path, layout):  # noqa: F811 - the fixture
+    """GPT-OSS's biased experts with adapters on gate_up_proj and down_proj at TP 2 and 4 and FSDP2 x TP: 3 SGD
+    steps within 1e-5 of transformers + PEFT in one process (losses, norms, trained adapters); the adapters served by
+    plain transformers + PEFT and merge_and_unload with the sharded model's logits."""
+    world, kwargs, lora = GPT_OSS_LAYOUTS[layout]
+    results = ranks(world).run(_lora_training, checkpoints("gpt_oss"), kwargs, lora, STEPS, str(tmp_path / "a"))
+    for r in results:
+        assert r["layers"] >= 8 and r["same_keys"] and r["column_and_row_wise"], r
+        assert r["all_dtensor"] and r["meshes"] == 1 and not r["wrong"] and r["ranks_agree"], r
+        loss = max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"], strict=True))
+        norm = max(abs(a - b) for a, b in zip(r["norm"], r["ref_norm"], strict=True))
+        assert loss <= TOL and norm <= TOL and r["weights"] <= TOL and r["reloaded"] <= TOL, (loss, norm, r)
+        assert r["merged"] <= TOL, r
+        assert len(set(r["loss"])) == STEPS  # the adapters train
+
+
 @pytest.mark.parametrize("layout", sorted(EXPERT_LAYOUTS))
 def test_lora_on_routed_experts(ranks, checkpoints, tmp_path, layout):  # noqa: F811 - the fixture
     """PEFT's recipe for MoE experts, target_parameters gate_up_proj / down_proj (TensorParallel: A or B split with
@@ -298,7 +322,7 @@ def test_lora_on_routed_experts_against_peft_on_transformers(ranks, checkpoints,
         assert len(res["grads"]) == 8 and bad == {}, bad
 
 
-def _save_merge(path: str, layout: dict, out: str) -> dict:
+def _save_merge(path: str, layout: dict, out: str, lora: dict | None = None) -> dict:
     """A trained adapter saved through PEFT on every rank (only rank 0 may write), loaded back into a fresh TP
     model, merged into the TP model and saved as a hub checkpoint; the logits of each."""
     import peft.peft_model
@@ -308,8 +332,9 @@ def _save_merge(path: str, layout: dict, out: str) -> dict:
 
     torch.manual_seed(0)
     copies = [] if layout else ["lm_head"]  # a trained copy of lm_head (split by vocabulary); refused with FSDP2
-    model = get_peft_model(layout_model(path, layout), LoraConfig(r=4, target_modules=LLAMA4, init_lora_weights=False,
-                                                                   modules_to_save=copies))
+    lora = lora or dict(target_modules=LLAMA4)
+    model = get_peft_model(layout_model(path, layout), LoraConfig(r=4, init_lora_weights=False, modules_to_save=copies,
+                                                                   **lora))
     data = batches(model.config.vocab_size, 2)
     run_steps(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2), data)
     if dist.get_rank() != 0:
@@ -331,18 +356,22 @@ def _save_merge(path: str, layout: dict, out: str) -> dict:
             "unwrapped": not any("lora" in n for n, _ in merged.named_parameters())}
 
 
-@pytest.mark.parametrize("layout", [{}, dict(fsdp_size=2)], ids=["tp2", "dp2_tp2"])
-def test_lora_save_load_merge(ranks, checkpoints, tmp_path, layout):  # noqa: F811 - the fixture
+@pytest.mark.parametrize("family,layout", [("llama4", {}), ("llama4", dict(fsdp_size=2)), ("gpt_oss", {})],
+                         ids=["tp2", "dp2_tp2", "gpt_oss-tp2"])
+def test_lora_save_load_merge(ranks, checkpoints, tmp_path, family, layout):  # noqa: F811 - the fixture
     """PeftModel.save_pretrained on every rank writes PEFT's files once (rank 0; the others' writes would
     raise), whole tensors under hub names, no temporary folder left; plain transformers + PEFT in one process
     loads them and gives the TP model's logits; so does PeftModel.from_pretrained on a fresh TP model;
-    merge_and_unload gives the merged TP model (its logits), whose hf_moe_tp.save_pretrained transformers loads."""
+    merge_and_unload gives the merged TP model (its logits), whose hf_moe_tp.save_pretrained transformers loads.
+    GPT-OSS with PEFT's recipe: adapters on every linear layer and on the biased experts' gate_up_proj / down_proj."""
     from peft import PeftModel
     from safetensors import safe_open
 
-    path = checkpoints("llama4")
+    path = checkpoints(family)
     world = 4 if layout else 2
-    results = ranks(world).run(_save_merge, path, layout, str(tmp_path))
+    lora = dict(target_modules="all-linear", target_parameters=EXPERTS["target_parameters"]) \
+        if family == "gpt_oss" else None
+    results = ranks(world).run(_save_merge, path, layout, str(tmp_path), lora)
     adapter = tmp_path / "adapter"
     assert sorted(p.name for p in adapter.iterdir()) == ["README.md", "adapter_config.json",
                                                           "adapter_model.safetensors"]
@@ -484,3 +513,39 @@ def test_second_adapter(ranks, checkpoints):  # noqa: F811 - the fixture
     (on layers that already hold one adapter, and on new ones), and training it matches one process."""
     for r in ranks(2).run(_second_adapter, checkpoints("mixtral")):
         assert r["loss"] <= TOL and not r["wrong"] and r["two"] == 8 and r["trainable"] and r["dtensor"], r
+
+
+def _biased_text_model(path: str) -> dict:
+    """PEFT's expert recipe on the OpenAI privacy filter's text model (biased, transposed experts) at TP 2, from the
+    adapters of transformers' model + PEFT in one process: hidden states and every adapter gradient of a fixed
+    projection of them."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from transformers import AutoModel
+
+    config = LoraConfig(r=4, init_lora_weights=False, target_parameters=EXPERTS["target_parameters"])
+    torch.manual_seed(0)
+    ref = get_peft_model(AutoModel.from_pretrained(path, experts_implementation="eager").train(), config)
+    ours = get_peft_model(layout_model(path, {"model_class": AutoModel}), LoraConfig(**config.to_dict()))
+    set_peft_model_state_dict(ours, get_peft_model_state_dict(ref))
+    ids = torch.randint(0, ref.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    outputs = []
+    for m in (ours, ref):
+        hidden = m(ids).last_hidden_state
+        target = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(2))
+        (hidden * target).sum().backward()
+        outputs.append(hidden)
+    grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    worst = max(((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) - grads[n]).abs().max().item()
+                for n, p in ours.named_parameters() if p.requires_grad)
+    return {"hidden": (outputs[0] - outputs[1]).abs().max().item(), "grad": worst, "adapters": len(grads)}
+
+
+def test_lora_on_other_biased_experts(ranks, tmp_path):
+    """The other family whose experts carry biases (the OpenAI privacy filter, a text model): adapters on
+    gate_up_proj and down_proj at TP 2 give transformers + PEFT's hidden states and adapter gradients (1e-5)."""
+    from bench.coverage_models import discover, save_tiny
+
+    family = next(f for f in discover() if f.name == "openai_privacy_filter")
+    path, _ = save_tiny(family, tmp_path, expert_hidden=24)
+    for r in ranks(2).run(_biased_text_model, str(path)):
+        assert r["adapters"] >= 4 and r["hidden"] <= TOL and r["grad"] <= TOL, r

@@ -287,17 +287,45 @@ def test_accelerate_launch_training_loop(mixtral):
     assert len(losses) == 4 and np.allclose(losses, expected, rtol=0, atol=1e-5), (losses, expected)
 
 
+@pytest.mark.slow
+def test_gpt_oss_lora_example(tmp_path):
+    """examples/gpt_oss_lora.py under torchrun on 2 CPU ranks: TRL's SFTTrainer with PEFT's GPT-OSS recipe at TP 2
+    trains and writes PEFT's adapter files once, the experts' gate_up_proj / down_proj adapters among them."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).parents[1] / "examples" / "gpt_oss_lora.py"
+    out = tmp_path / "adapters"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(port), str(script), "", str(out)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    with safe_open(out / "adapter_model.safetensors", "pt") as f:
+        keys = list(f.keys())  # noqa: SIM118 - safe_open's API
+    # PEFT names the adapters of target_parameters after the module: 2 layers x (gate_up_proj, down_proj) x (A, B)
+    assert sum(".mlp.experts." in k for k in keys) == 8, keys
+
+
 LORA = dict(r=4, target_modules=["q_proj", "v_proj", "o_proj"], lora_dropout=0.0)
 
 
-def fit_lora(model, out: str, trainer: str) -> dict:
-    """LoRA on attention (column- and row-wise layers) through the Trainer (get_peft_model first) or TRL's
-    SFTTrainer (given the peft_config), adapters drawn from seed 5; every logged loss and gradient norm."""
+def fit_lora(model, out: str, trainer: str, lora: dict | None = None) -> dict:
+    """LoRA (``lora``, default on attention: column- and row-wise layers) through the Trainer (get_peft_model first)
+    or TRL's SFTTrainer (given the peft_config), adapters drawn from seed 5; every logged loss and gradient norm."""
     from peft import LoraConfig, get_peft_model
 
+    lora = lora or LORA
     torch.manual_seed(5)
     if trainer == "Trainer":
-        run = Trainer(model=get_peft_model(model, LoraConfig(**LORA)), args=arguments(out, max_steps=4),
+        run = Trainer(model=get_peft_model(model, LoraConfig(**lora)), args=arguments(out, max_steps=4),
                       train_dataset=Rows(16))
     else:
         from datasets import Dataset
@@ -308,15 +336,15 @@ def fit_lora(model, out: str, trainer: str) -> dict:
                          bf16=False)  # SFTConfig's default is bf16 autocast
         data = Dataset.from_dict({"input_ids": Rows(16).ids.tolist()})
         run = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=word_tokenizer(),
-                         peft_config=LoraConfig(**LORA))
+                         peft_config=LoraConfig(**lora))
     run.train()
     logged = [h for h in run.state.log_history if "loss" in h]
     return {"loss": [h["loss"] for h in logged], "grad_norm": [h["grad_norm"] for h in logged]}
 
 
-def _fit_lora_on_ranks(path: str, out: str, trainer: str) -> dict:
+def _fit_lora_on_ranks(path: str, out: str, trainer: str, lora: dict | None = None) -> dict:
     fresh_accelerate()
-    return fit_lora(hf_moe_tp.from_pretrained(path), out, trainer)
+    return fit_lora(hf_moe_tp.from_pretrained(path), out, trainer, lora)
 
 
 @pytest.mark.parametrize("trainer", ["Trainer", "SFTTrainer"])
@@ -332,6 +360,26 @@ def test_lora_with_the_trainer(ranks, mixtral, tmp_path, trainer):
         assert len(r["loss"]) == 4, r
         assert np.allclose(r["loss"], ref["loss"], rtol=0, atol=TOL), (r, ref)
         assert np.allclose(r["grad_norm"], ref["grad_norm"], rtol=0, atol=TOL), (r, ref)
+
+
+# PEFT's GPT-OSS recipe: every linear layer, and the experts' gate_up_proj and down_proj (with their biases)
+GPT_OSS_LORA = dict(r=4, target_modules="all-linear", init_lora_weights=False,
+                    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+
+
+def test_gpt_oss_lora_with_sft_trainer(ranks, tmp_path):
+    """TRL's SFTTrainer with PEFT's GPT-OSS recipe at TP 2 (adapters on the biased experts' down_proj too): every
+    step's loss and gradient norm within 1e-5 of the same run in one process."""
+    path = str(save_family("gpt_oss", tmp_path))
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+    try:
+        ref = fit_lora(model, str(tmp_path / "reference"), "SFTTrainer", GPT_OSS_LORA)
+    finally:
+        fresh_accelerate()
+    for r in ranks(2).run(_fit_lora_on_ranks, path, str(tmp_path / "tp"), "SFTTrainer", GPT_OSS_LORA):
+        assert len(r["loss"]) == 4, r
+        assert np.allclose(r["loss"], ref["loss"], rtol=0, atol=1e-5), (r, ref)
+        assert np.allclose(r["grad_norm"], ref["grad_norm"], rtol=0, atol=1e-5), (r, ref)
 
 
 LAZY = '''

@@ -181,6 +181,9 @@ class GroupedExperts(nn.Module):
         self.config = config
         # set by a parallel style whose experts give partial rows: completes them (an all-reduce) before the norm
         self.row_reduce = None
+        # set by a parallel style splitting down_proj's input: whether this rank adds down_proj_bias (read off the
+        # split weight when it places it; during a PEFT adapter's forward the weight is a local fold of it)
+        self.adds_down_bias: bool | None = None
         if self.down_proj.device.type != "meta":
             self.reset_parameters()
 
@@ -268,7 +271,9 @@ class GroupedExperts(nn.Module):
                                       x.dtype, loop)
         out = self._matmul(act, "down_proj", expert_of_row, offsets)
         if self.has_bias:
-            adds = _adds_row_bias(self.down_proj, 1 if self.is_transposed else 2)
+            adds = self.adds_down_bias
+            if adds is None:
+                adds = adds_row_bias(self.down_proj, self.down_hidden_dim)
             out = out + _OnceAcrossShards.apply(_local(self.down_proj_bias), adds)[expert_of_row].to(out.dtype)
         if self.post_expert_norm is not None:
             if self.row_reduce is not None:
@@ -278,6 +283,11 @@ class GroupedExperts(nn.Module):
             else:
                 out = self.post_expert_norm(out)
         return combine(out, order, None if self.score_before_experts else row_weights, index.shape, x.dtype)
+
+    @property
+    def down_hidden_dim(self) -> int:
+        """The dimension of ``down_proj`` that holds the hidden size (its input)."""
+        return 1 if self.is_transposed else 2
 
     def _weight(self, name: str) -> torch.Tensor:
         """This rank's weight ``name`` laid out (E, in, out) for the grouped matmul (a view)."""
@@ -395,7 +405,7 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _adds_row_bias(down_proj: torch.Tensor, hidden_dim: int) -> bool:
+def adds_row_bias(down_proj: torch.Tensor, hidden_dim: int) -> bool:
     """True on the rank that adds ``down_proj_bias``: coordinate 0 of every mesh dim that splits ``down_proj``'s
     input (hidden, dim ``hidden_dim``), over which the partial outputs are summed."""
     if not isinstance(down_proj, DTensor):

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .._compat import is_strided_shard, strided_shard
 from .boxes import checkpoint_pieces
+from .experts import adds_row_bias
 
 
 def expert_placements(module: nn.Module) -> dict[str, Placement]:
@@ -96,6 +97,8 @@ class TensorParallel(ParallelStyle):
             raise ValueError(f"TensorParallel cannot split these experts: {why}; use another TP size, or "
                              "ExpertParallel (whole experts per rank)")
         distribute_params(module, device_mesh, expert_placements(module), self.src_data_rank)
+        if module.has_bias:
+            module.adds_down_bias = adds_row_bias(module.down_proj, module.down_hidden_dim)
         norm = getattr(module, "post_expert_norm", None)
         if norm is not None:  # rows completed before the norm (k rows per token): the output is then whole
             group = device_mesh.get_group()

@@ -67,14 +67,6 @@ def _check_target_parameter(target: str, model: nn.Module) -> None:
               "ungated) and down_proj, e.g. target_parameters=['mlp.experts.gate_up_proj', "
               "'mlp.experts.down_proj'], not on routers or other layers' parameters")
     styles = {name: style_of(module) for name, module in hits}
-    biased = [name for name, module in hits if target.endswith("down_proj") and module.has_bias
-              and type(styles[name]) is TensorParallel]
-    if biased:
-        raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r}: the experts {biased[0]} have a down "
-                                   "bias (down_proj_bias), added once over the ranks by reading down_proj's split, "
-                                   "which the adapter's fold hides; LoRA on their down_proj is not supported under "
-                                   "TensorParallel yet (gate_up_proj is; ExpertParallel, whose ranks hold whole "
-                                   "experts, takes down_proj too)")
     unsplit = [name for name, module in hits if type(styles[name]) not in (TensorParallel, ExpertParallel)
                and not below_fsdp(module.down_proj, name)]
     if unsplit:
