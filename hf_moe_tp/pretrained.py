@@ -229,9 +229,10 @@ def place(model: nn.Module, plan: dict[str, ParallelStyle], layout: Layout, para
         place_scales(model)
     if layout.cp is not None:  # after the plan: around the modules it placed
         apply_context_parallel(model, layout.cp)
-    same_draws_in_training(model, layout.tp)  # replicated random ops (router jitter, dropout) agree across TP
+    # replicated random ops (router jitter, dropout) agree across TP (the cp x tp block: context parallelism)
+    same_draws_in_training(model, layout.same_batch())
     if hasattr(model, "generate"):  # so do sampled tokens
-        generate_on_leader_state(model, layout.tp)
+        generate_on_leader_state(model, layout.same_batch())
     setattr(model, MODEL_TP_PLAN, plans.described(model, plan))  # what transformers' readers of its plan see
     if layout.dp is not None:  # each rank then reads its FSDP shards
         shard_data_parallel(model, layout.dp, mp_policy=parallel.mp_policy, offload_policy=parallel.offload_policy,

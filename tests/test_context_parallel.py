@@ -93,10 +93,12 @@ def test_cp2_tp2_matches_one_process(ranks, checkpoints, sequence_parallel):
         assert all(n == (8 if sequence_parallel is False else 4) for n in r["rows"]), r["rows"]
 
 
-def test_cp4_repeats_key_value_heads(ranks, checkpoints):
+@pytest.mark.parametrize("length", [16, 14])
+def test_cp4_repeats_key_value_heads(ranks, checkpoints, length):
     """cp 4 over Mixtral's 2 key / value heads (4 query heads): each repeated twice so the heads divide; 16 rows, 4 a
-    rank."""
-    for r in ranks(4).run(_against_one_process, checkpoints("mixtral"), 16, 4, {"cp_size": 4}):
+    rank, and 14 rows (the last block padded with 2 zero rows, which attention, the loss and the gradients leave
+    out)."""
+    for r in ranks(4).run(_against_one_process, checkpoints("mixtral"), length, 4, {"cp_size": 4}):
         assert max(r["logits"], r["hidden"], r["loss"], r["grad"]) <= TOL, r
         assert all(n == 4 for n in r["rows"]), r["rows"]
 
@@ -159,36 +161,37 @@ def test_gradient_checkpointing(ranks, checkpoints, reentrant):
         assert max(abs(a - b) for a, b in zip(losses, want, strict=True)) <= TOL, (losses, want)
 
 
-def _refusals(path: str) -> dict:
+def _short_odd_and_generated(path: str) -> dict:
     model = hf_moe_tp.from_pretrained(path, cp_size=2)
+    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     out = {}
-    for name, call in (("odd", lambda: model(ids)), ("generate", lambda: model.generate(ids[:, :8])),
-                       ("attentions", lambda: model(ids[:, :8], output_attentions=True))):
-        try:
-            call()
-        except ValueError as e:
-            out[name] = str(e)
-    with torch.no_grad():  # a decode-sized forward runs whole; an eval forward keeps no cache of a block
-        short, whole = model(ids[:, :2]), model(ids[:, :8])
-    ref = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").eval()
-    with torch.no_grad():
-        want_short, want = ref(ids[:, :2]), ref(ids[:, :8])
-    out["short"] = (short.logits - want_short.logits).abs().max().item()
-    out["whole"] = (whole.logits - want.logits).abs().max().item()
-    out["cache"] = whole.past_key_values
+    try:
+        model(ids[:, :8], output_attentions=True)
+    except ValueError as e:
+        out["attentions"] = str(e)
+    with torch.no_grad():  # a decode-sized forward runs whole; an odd length pads the last block
+        for name, n in (("short", 2), ("odd", 9)):
+            out[name] = (model(ids[:, :n]).logits - ref(ids[:, :n]).logits).abs().max().item()
+        out["cache"] = model(ids).past_key_values
+    out["tokens"] = model.generate(ids, max_new_tokens=6, do_sample=False).tolist()
+    out["want"] = ref.generate(ids, max_new_tokens=6, do_sample=False).tolist()
+    torch.manual_seed(3 + torch.distributed.get_rank())  # seeded per rank: the block samples on its first rank's
+    out["sampled"] = model.generate(ids, max_new_tokens=6, do_sample=True).tolist()
     return out
 
 
-def test_refused_by_name_on_every_rank(ranks, checkpoints):
-    """A length that does not divide by cp, generate, output_attentions: refused by name on every rank (nothing
-    waits); a forward of no more tokens than ranks runs whole, and an evaluation forward returns no cache (it would
-    hold one block of keys), both with one process's logits."""
-    for r in ranks(2).run(_refusals, checkpoints("mixtral")):
-        assert "9 tokens does not divide by cp=2" in r["odd"] and "pad_to_multiple_of=2" in r["odd"]
-        assert "generate under context parallelism" in r["generate"]
+def test_short_odd_lengths_and_generate(ranks, checkpoints):
+    """A forward of no more tokens than ranks runs whole, and a length that does not divide by cp (9 over 2) pads
+    the last block, with one process's logits; an evaluation forward returns no cache (it would hold one block of
+    keys); generate runs its cached forwards whole and gives one process's tokens; output_attentions is refused by
+    name on every rank; sampled tokens agree across the ranks, whatever each one's seed."""
+    results = ranks(2).run(_short_odd_and_generated, checkpoints("mixtral"))
+    for r in results:
         assert "output_attentions=True" in r["attentions"]
-        assert max(r["short"], r["whole"]) <= TOL and r["cache"] is None, r
+        assert max(r["short"], r["odd"]) <= TOL and r["cache"] is None, r
+        assert r["tokens"] == r["want"], r
+    assert results[0]["sampled"] == results[1]["sampled"]  # sampled tokens agree across the block
 
 
 def test_config_refusals():

@@ -60,7 +60,8 @@ def _measure(path: str, kwargs: dict) -> dict:
 
 
 LAYOUTS = {"one": (1, {}), "tp2": (2, {}), "ep2": (2, {"ep_size": 2}), "dp2_tp2": (4, {"fsdp_size": 2}),
-           "cp2": (2, {"cp_size": 2}), "dp2_cp2": (4, {"cp_size": 2, "fsdp_size": 2})}
+           "cp2": (2, {"cp_size": 2}), "dp2_cp2": (4, {"cp_size": 2, "fsdp_size": 2}),
+           "cp4": (4, {"cp_size": 4})}  # 10 tokens over 4 blocks: the last padded, its padding not counted
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

@@ -68,8 +68,9 @@ def mixtral(tmp_path_factory):
 @pytest.mark.parametrize("paged, kwargs", [  # continuous batching's loop takes about 20 s a step here: slow tier
     # (its TP and EP runs against one process stay in the default run: tests/test_continuous_batching.py)
     (False, {}), pytest.param(True, {}, marks=pytest.mark.slow), pytest.param(True, {"ep_size": 2},
-                                                                             marks=pytest.mark.slow)],
-    ids=["tp2-generate", "tp2-paged", "ep2-paged"])
+                                                                             marks=pytest.mark.slow),
+    (False, {"cp_size": 2})],  # rollouts whole on both ranks (a KV cache), training forwards split by blocks
+    ids=["tp2-generate", "tp2-paged", "ep2-paged", "cp2-generate"])
 def test_grpo_matches_one_process(ranks, mixtral, tmp_path, paged, kwargs):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(mixtral, experts_implementation="eager")

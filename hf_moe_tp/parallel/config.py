@@ -87,8 +87,9 @@ class ParallelConfig:
     1/cp of every sequence through every decoder layer (the world becomes ``(dp_replicate, fsdp, cp, tp)``; the
     ranks of one ``cp`` x ``tp`` block take the same batch). ``cp_attention``: how attention sees the whole sequence:
     ``"ulysses"`` (all-to-all between the sequence and the heads; any attention implementation); ``"ring"``
-    (torch's ``context_parallel``) is refused by name: not available yet. Not with expert parallelism or
-    sequence parallelism yet (refused by name); accelerate's ``sp_size`` (Ulysses) is ``cp_size``.
+    (torch's ``context_parallel``) is refused by name: not available yet. With TP above 1, sequence parallelism
+    splits each block again between the regions. Not with expert parallelism yet (refused by name); accelerate's
+    ``sp_size`` (Ulysses) is ``cp_size``.
     """
 
     # the plan and the sizes

@@ -4,9 +4,9 @@
 mesh, the way DeepSpeed-Ulysses and verl split a sequence:
 
 - the backbone builds its masks and rotary tables for the whole sequence, as one process does; the first decoder
-  layer takes this rank's block of rows (``cp`` contiguous blocks; a length that does not divide by ``cp`` is
-  refused, naming it), and every layer takes this block of the tables (each token keeps its place in the whole
-  sequence), the mask staying whole;
+  layer takes this rank's block of rows (``cp`` contiguous blocks, the last ones padded with zero rows, which
+  attention leaves out and no loss or count sees), and every layer takes this block of the tables (each token
+  keeps its place in the whole sequence), the mask staying whole;
 - everything token by token (norms, projections, routers, experts, residual adds) runs on the block;
 - attention runs through transformers' attention interface, wrapped (:func:`ulysses_attention`): queries, keys
   and values are exchanged (one all-to-all each) from (all heads, this block) to (1/cp of the heads, the whole
@@ -20,9 +20,9 @@ mesh, the way DeepSpeed-Ulysses and verl split a sequence:
 
 Key / value heads that do not divide by ``cp`` are repeated (as few times as makes them divide), as
 DeepSpeed-Ulysses and verl do for grouped-query attention. Numbers are one process's (fp32 within round-off).
-What this cannot split exactly is refused by name when the model is placed: families not checked here
-(:data:`FAMILIES`), dropout or router jitter (each rank would draw for its block), ``generate`` and a KV cache
-(a cache would hold a block of keys), ``output_attentions``.
+A forward given a KV cache (``generate``) runs whole on every rank, as under plain TP: a cache of a block of
+keys would serve no later step. What this cannot split exactly is refused by name: families not checked here
+(:data:`FAMILIES`), dropout or router jitter (each rank would draw for its block), ``output_attentions``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import copy
 import functools
 import math
 import sys
-import types
 from typing import Any
 
 import torch
@@ -56,6 +55,10 @@ FAMILIES = frozenset({
     "minicpm5_moe", "minimax_m2", "minimax_m3_vl_text", "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe",
     "solar_open",
 })
+# A causal LM forward's arguments that leave its head and loss the model's own (block_loss applies)
+PLAIN_ARGUMENTS = frozenset({"input_ids", "attention_mask", "position_ids", "labels", "inputs_embeds", "use_cache",
+                             "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
+                             "cache_position", "token_type_ids", "logits_to_keep"})
 PREFIX = "hf_moe_tp_ulysses|"  # the attention interface's name for the wrapped implementation
 CONTEXT = "_hf_moe_tp_context"  # on an attention module: its ContextParallel
 
@@ -70,6 +73,7 @@ class ContextParallel(ParallelStyle):
         self.split: Split | None = None  # the current forward's; kept after it for gradient checkpointing
         self.comm: _Comm | None = None
         self.loss_on_blocks = False  # this forward's loss comes from this rank's block of logits (block_loss)
+        self.whole = False  # this forward runs unsplit (it carries a KV cache)
 
     def __repr__(self) -> str:
         return f"ContextParallel(layers={self.layers})"
@@ -86,11 +90,9 @@ class ContextParallel(ParallelStyle):
 
         def begin(mod: nn.Module, args: tuple, kwargs: dict) -> None:
             self.split = None
-            for key in ("past_key_values", "cache"):
-                if kwargs.get(key) is not None:
-                    raise ValueError(f"context parallelism: a forward with {key}= (generate, a KV cache): each rank "
-                                     "would cache its block of keys only; run generation on a model loaded without "
-                                     "cp_size")
+            # a forward given a KV cache (generate's prefill and decode steps) runs whole on every rank: a cache of
+            # a block of keys would serve no later step
+            self.whole = any(kwargs.get(key) is not None for key in ("past_key_values", "cache"))
             if kwargs.get("output_attentions"):
                 raise ValueError("context parallelism: output_attentions=True (each rank computes 1/cp of the "
                                  "heads); load without cp_size to read attention weights")
@@ -99,7 +101,7 @@ class ContextParallel(ParallelStyle):
         def enter_layer(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             args, kwargs, hidden = _hidden_states(mod, args, kwargs)
             if self.split is None:
-                self.split = _split_for(hidden, comm.size)
+                self.split = _split_for(hidden, 1 if self.whole else comm.size)
             split = self.split
             if not split.active:
                 return None
@@ -112,7 +114,7 @@ class ContextParallel(ParallelStyle):
                     return t
                 if t.requires_grad:
                     return _Rows.apply(t, comm, split.length, False)
-                return t.narrow(1, comm.rank * split.local, split.local)
+                return comm.own(t)
 
             return tuple(own(a) for a in args), {k: own(v) for k, v in kwargs.items()}
 
@@ -194,7 +196,8 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     repeat = _kv_repeat(heads, kv_heads, comm.size)
     if repeat > 1:
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
-    query, key, value = (_Exchange.apply(t, comm.group, 1, 2) for t in (query, key, value))
+    # the whole sequence of 1/cp of the heads, without the rows that pad it to cp blocks
+    query, key, value = (_Exchange.apply(t, comm.group, 1, 2)[:, :, :split.length] for t in (query, key, value))
     first, count = comm.rank * (heads // comm.size), heads // comm.size
     per_head = {k: v.narrow(0, first, count) for k, v in kwargs.items()  # GPT-OSS's sinks, passed or read
                 if k in ("s_aux", "sinks") and isinstance(v, torch.Tensor) and v.shape[0] == heads}
@@ -210,7 +213,7 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         swap_back(swapped)
         if groups is not None:
             module.num_key_value_groups = groups
-    return _Exchange.apply(out, comm.group, 1, 2), None
+    return _Exchange.apply(comm.pad(out), comm.group, 1, 2), None
 
 
 def _kv_repeat(heads: int, kv_heads: int, size: int) -> int:
@@ -266,10 +269,7 @@ def _split_for(hidden: Any, size: int) -> Split:
     batch, length = hidden.shape[:2]
     if length <= size:  # a decode step: nothing to split
         return Split(length, length, batch)
-    if length % size:
-        raise ValueError(f"context parallelism: a sequence of {length} tokens does not divide by cp={size}; pad "
-                         f"the batch to a multiple of {size} tokens (a data collator's pad_to_multiple_of={size})")
-    return Split(length, length // size, batch)
+    return Split(length, -(-length // size), batch)  # the last blocks padded with zero rows
 
 
 def _trainable(t: Any) -> bool:
@@ -337,23 +337,13 @@ def backbone_entry(model: nn.Module) -> tuple[str, ContextParallel]:
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Put :class:`ContextParallel` on ``model``'s text backbone over the 1-D ``mesh`` (after the TP plan), have a
-    causal LM's forwards with labels take the loss from this rank's block of logits (:func:`block_loss`), and make
-    ``generate`` refuse by name."""
+    """Put :class:`ContextParallel` on ``model``'s text backbone over the 1-D ``mesh`` (after the TP plan), and have a
+    causal LM's forwards with labels take the loss from this rank's block of logits (:func:`block_loss`)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     name, style = backbone_entry(model)
     parallelize_module(model, mesh, {name: style})
     _loss_on_blocks(model, style)
-    if hasattr(model, "generate"):
-        generate = type(model).generate
-
-        @functools.wraps(generate)
-        def refused(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            raise ValueError("generate under context parallelism (cp_size): each rank would cache its block of keys "
-                             "only; generate with a model loaded without cp_size")
-
-        model.generate = types.MethodType(refused, model)
 
 
 def _loss_on_blocks(model: nn.Module, style: ContextParallel) -> None:
@@ -376,7 +366,10 @@ def _loss_on_blocks(model: nn.Module, style: ContextParallel) -> None:
 
     def with_labels(mod: nn.Module, args: tuple, kwargs: dict) -> None:
         labels = kwargs["labels"] if "labels" in kwargs else (args[position] if len(args) > position else None)
-        style.loss_on_blocks = labels is not None and not kwargs.get("logits_to_keep")
+        # only forwards whose head and loss are the model's own: another argument may take the hidden states
+        # elsewhere (TRL's fused_lm_head computes log-probabilities from them), which then see the whole sequence
+        plain = all(k in PLAIN_ARGUMENTS or v is None or v is False for k, v in kwargs.items())
+        style.loss_on_blocks = labels is not None and plain and not kwargs.get("logits_to_keep")
 
     def gather(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         split, on_blocks = style.split, style.loss_on_blocks
@@ -412,7 +405,8 @@ def block_loss(style: ContextParallel, inner, logits: torch.Tensor, labels: torc
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     count = num_items_in_batch if num_items_in_batch is not None else (shift_labels != ignore_index).sum()
-    block = shift_labels.narrow(1, comm.rank * split.local, split.local).contiguous()
+    padded = nn.functional.pad(shift_labels, (0, split.local * comm.size - split.length), value=ignore_index)
+    block = padded.narrow(1, comm.rank * split.local, split.local).contiguous()  # padding rows: no target
     part = inner(logits, None, vocab_size, num_items_in_batch=count, ignore_index=ignore_index, shift_labels=block,
                  **kwargs)
     return _SumOverRanks.apply(part, comm.group)

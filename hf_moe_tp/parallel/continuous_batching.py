@@ -46,6 +46,10 @@ def bind_continuous_batching(model: nn.Module, layout: Layout, world: int) -> No
     if layout.dp is not None or layout.ep is not None:
         _refuse(model, "an (ep, tp) mesh" if layout.ep is not None else "FSDP2 / HSDP over data-parallel ranks")
         return
+    if layout.cp is not None:
+        _refuse(model, "context parallelism (cp_size)", "its paged cache and scheduler are not checked with the "
+                "sequence split over cp")
+        return
     init = init.__func__
 
     def shared(self: nn.Module, generation_config: Any = None, continuous_batching_config: Any = None,
@@ -90,12 +94,12 @@ def ranks_on_device(device: torch.device) -> int:
     return max(1, -(-local // max(count, 1)))
 
 
-def _refuse(model: nn.Module, layout: str) -> None:
+def _refuse(model: nn.Module, layout: str, why: str = "its ranks hold different batches, and each would schedule "
+            "its own requests while the layout's collectives need every rank in the same forward") -> None:
     def refused(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
             f"continuous batching (generate_batch / init_continuous_batching) on an hf_moe_tp model laid out with "
-            f"{layout}: its ranks hold different batches, and each would schedule its own requests while the "
-            "layout's collectives need every rank in the same forward; load it with tp_size (and ep_size over the "
-            "TP ranks) only, or use model.generate(...), which is exact at every layout")
+            f"{layout}: {why}; load it with tp_size (and ep_size over the TP ranks) only, or use "
+            "model.generate(...), which is exact at every layout")
 
     model.init_continuous_batching = types.MethodType(refused, model)

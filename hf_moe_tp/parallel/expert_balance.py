@@ -169,8 +169,9 @@ def _token_mask(model: nn.Module, tokens: int) -> torch.Tensor | None:
         return mask.reshape(-1)
     cp = state.layout.cp if state.layout is not None else None
     block = tokens // mask.shape[0]
-    if cp is not None and tokens % mask.shape[0] == 0 and block * cp.size() == mask.shape[1]:
-        return mask.narrow(1, cp.get_local_rank() * block, block).reshape(-1)
+    if cp is not None and tokens % mask.shape[0] == 0 and block == -(-mask.shape[1] // cp.size()):
+        padded = torch.nn.functional.pad(mask, (0, block * cp.size() - mask.shape[1]))  # padding rows: not counted
+        return padded.narrow(1, cp.get_local_rank() * block, block).reshape(-1)
     return None
 
 
