@@ -234,9 +234,9 @@ def place(model: nn.Module, plan: dict[str, ParallelStyle], layout: Layout, para
     if hasattr(model, "generate"):  # so do sampled tokens
         generate_on_leader_state(model, layout.same_batch())
     setattr(model, MODEL_TP_PLAN, plans.described(model, plan))  # what transformers' readers of its plan see
-    if layout.dp is not None:  # each rank then reads its FSDP shards
-        shard_data_parallel(model, layout.dp, mp_policy=parallel.mp_policy, offload_policy=parallel.offload_policy,
-                            expert_mesh=layout.expert_dp)
+    if layout.sharding() is not None:  # each rank then reads its FSDP shards
+        shard_data_parallel(model, layout.sharding(), mp_policy=parallel.mp_policy,
+                            offload_policy=parallel.offload_policy, expert_mesh=layout.expert_dp)
     state_of(model).layout = layout
 
 
@@ -267,7 +267,7 @@ def wrap(model: nn.Module, layout: Layout, opts: LoadOptions | None = None, time
     failed collectives explained, and the input check (its pre-hook is prepended: it runs before the model's other
     forward hooks whatever the order here)."""
     opts = opts or LoadOptions()
-    if layout.dp is not None:
+    if layout.sharding() is not None:
         divide_expert_gradients(model)
     if opts.expert_bias_update_rate is not None:
         balance_experts(model, opts.expert_bias_update_rate)

@@ -147,11 +147,14 @@ def _read(path: str, kwargs: dict) -> int:
     return hf_moe_tp.from_pretrained(path, **kwargs).hf_moe_tp.load_report.bytes_read
 
 
-def test_cp_ranks_read_what_their_tp_peers_read(ranks, checkpoints):
-    """Loading at cp 2 x tp 2: each rank reads the bytes a TP 2 rank reads, nothing more."""
+def test_cp_ranks_read_their_shards_of_their_tp_slices(ranks, checkpoints):
+    """Loading at cp 2 x tp 2: FSDP2 shards the weights over cp, so the two cp ranks of a TP coordinate read between
+    them the bytes a TP 2 rank reads, each byte once."""
     path = checkpoints("qwen3_moe")
     tp2 = ranks(2).run(_read, path, {})
-    assert ranks(4).run(_read, path, {"cp_size": 2}) == tp2 * 2, tp2
+    cp2_tp2 = ranks(4).run(_read, path, {"cp_size": 2})  # ranks (cp, tp): 0 = (0, 0), 1 = (0, 1), 2 = (1, 0), ...
+    assert [cp2_tp2[0] + cp2_tp2[2], cp2_tp2[1] + cp2_tp2[3]] == tp2, (cp2_tp2, tp2)
+    assert all(0 < n < max(tp2) for n in cp2_tp2), cp2_tp2
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

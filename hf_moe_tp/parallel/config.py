@@ -153,7 +153,7 @@ class ParallelConfig:
                              "data-parallel ranks ('ep' beside 'tp'): FSDP2 does not manage those experts (FSDP over "
                              "ep), so the policy would not reach them, or manages them apart (fsdp_size larger than "
                              "ep_size), not tested with a policy; load with dtype= instead, without them")
-        if layout.dp is None and (mp is not None or offload is not None):
+        if layout.sharding() is None and (mp is not None or offload is not None):
             raise ValueError("mp_policy and offload_policy are FSDP2's: they need fsdp_size, dp_replicate_size or "
                              "a device_mesh with a data-parallel dimension")
         if self.sequence_parallel and layout.tp.size() == 1:

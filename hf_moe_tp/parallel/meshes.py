@@ -77,10 +77,16 @@ class Layout:
     expert_dp: DeviceMesh | None = None  # experts' FSDP2 mesh where it is not ``dp`` (transformers' ``efsdp``)
     cp: DeviceMesh | None = None  # context parallelism: the ranks holding blocks of the same sequences
     block: DeviceMesh | None = None  # with ``cp``: its ``cp`` x ``tp`` ranks (one batch), flattened
+    fsdp: DeviceMesh | None = None  # FSDP2's mesh where it is not ``dp``: with ``cp``, dp's shard ranks x cp
+
+    def sharding(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards the model over (``fsdp``, else ``dp``), or None."""
+        return self.fsdp if self.fsdp is not None else self.dp
 
     def meshes(self) -> list[DeviceMesh]:
         """The meshes the model's collectives run on (those it has)."""
-        return [m for m in (self.tp, self.ep, self.dp, self.expert_dp, self.cp, self.block) if m is not None]
+        return [m for m in (self.tp, self.ep, self.dp, self.expert_dp, self.cp, self.block, self.fsdp)
+                if m is not None]
 
     def same_batch(self) -> DeviceMesh:
         """The ranks that take the same batch as this one: its TP group, or its ``cp`` x ``tp`` block."""
@@ -94,7 +100,7 @@ class Layout:
         split over one rank). Not on an ``(ep, tp)`` mesh whose ep ranks are the data-parallel ones: every
         parameter there lives on that one mesh (torch's own ``clip_grad_norm_`` covers them), which transformers'
         layouts do not have."""
-        return self.tp.size() == 1 and self.dp is not None and (self.ep is None or self.expert_dp is not None)
+        return self.tp.size() == 1 and self.sharding() is not None and (self.ep is None or self.expert_dp is not None)
 
 
 def resolve_layout(device_mesh: DeviceMesh | None = None, ep_size: int | None = None, fsdp_size: int | None = None,
@@ -183,7 +189,14 @@ def _context_parallel_layout(device_mesh: DeviceMesh | None, ep_size: int | None
         raise ValueError(f"fsdp_size={fsdp_size}, dp_replicate_size={dp_replicate_size}: the device_mesh (names "
                          f"{names}) has no data-parallel dimension")
     block = flatten_mesh(device_mesh["cp", "tp"], "cp_tp")
-    return Layout(device_mesh["tp"], None, dp, cp=device_mesh["cp"], block=block)
+    # FSDP2 shards over the data-parallel shard ranks and cp together (torchtitan's dp_shard_cp): each cp rank's
+    # gradients are already summed over cp (context_parallel.py), so FSDP2's mean over these ranks is the mean over
+    # the data-parallel ones
+    shard = [n for n in names if n in DP_SHARD_NAMES]
+    replicate = [n for n in names if n in DP_REPLICATE_NAMES]
+    sharded = flatten_mesh(device_mesh[(*shard, "cp")], "dp_shard_cp") if shard else device_mesh["cp"]
+    fsdp = device_mesh[(*replicate, "dp_shard_cp")] if replicate else sharded
+    return Layout(device_mesh["tp"], None, dp, cp=device_mesh["cp"], block=block, fsdp=fsdp)
 
 
 def declare(model: torch.nn.Module, layout: Layout, ep_size: int = 1) -> None:
