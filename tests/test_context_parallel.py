@@ -82,13 +82,13 @@ def test_cp2_matches_one_process(ranks, checkpoints, family):
         assert r["head"] == [8], r["head"]
 
 
-@pytest.mark.parametrize("sequence_parallel", [None, False])
-def test_cp2_tp2_matches_one_process(ranks, checkpoints, sequence_parallel):
-    """cp 2 x tp 2: the heads split over TP, then over cp inside attention; GPT-OSS (sinks, sliding windows, a
-    row-wise bias) within 1e-5 of one process. Sequence parallelism (on by default) splits each block over TP
-    between the regions: the norms see 4 rows; off, 8."""
+@pytest.mark.parametrize("family,sequence_parallel", [(f, None) for f in FAMILIES] + [("gpt_oss", False)])
+def test_cp2_tp2_matches_one_process(ranks, checkpoints, family, sequence_parallel):
+    """cp 2 x tp 2: the heads split over TP, then over cp inside attention (GPT-OSS: sinks, sliding windows, a
+    row-wise bias; DeepSeek-V3: MLA), within 1e-5 of one process. Sequence parallelism (on by default) splits each
+    block over TP between the regions: the norms see 4 rows; off, 8."""
     kwargs = {"cp_size": 2, "sequence_parallel": sequence_parallel}
-    for r in ranks(4).run(_against_one_process, checkpoints("gpt_oss"), 16, 4, kwargs):
+    for r in ranks(4).run(_against_one_process, checkpoints(family), 16, 4, kwargs):
         assert max(r["logits"], r["hidden"], r["loss"], r["grad"]) <= TOL, r
         assert all(n == (8 if sequence_parallel is False else 4) for n in r["rows"]), r["rows"]
 
@@ -123,12 +123,13 @@ def test_tied_embeddings_and_split_vocabulary(ranks, tmp_path):
 LAYOUTS = {"cp2": (2, {"cp_size": 2}), "cp2_tp2": (4, {"cp_size": 2}), "dp2_cp2": (4, {"cp_size": 2, "fsdp_size": 2})}
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_adamw_steps_match_one_process(ranks, checkpoints, layout):
-    """3 AdamW steps with clipping: loss and total norm per step within 1e-5; at dp 2 x cp 2 with FSDP2 (each cp pair
-    its own batch)."""
+def test_adamw_steps_match_one_process(ranks, checkpoints, layout, family):
+    """3 AdamW steps with clipping: loss and total norm per step within 1e-5; at dp 2 x cp 2 with FSDP2 over dp x cp
+    (each cp pair its own batch)."""
     world, kwargs = LAYOUTS[layout]
-    check(ranks(world).run(train_steps, checkpoints("deepseek_v3"), kwargs))
+    check(ranks(world).run(train_steps, checkpoints(family), kwargs))
 
 
 EIGHT = {"dp2_cp2_tp2": {"cp_size": 2, "fsdp_size": 2},
