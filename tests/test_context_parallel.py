@@ -213,19 +213,21 @@ def test_config_refusals():
 
 
 def test_unchecked_family_and_dropout_refused():
-    """A family not checked (LongCat-Flash, whose gradients differ at cp 2 in bench/context_parallel.py) and dropout
-    (each rank would draw for its block) are refused by name."""
+    """A family not checked (Qwen3-Next: linear-attention layers mix tokens outside the attention interface; LongCat-
+    Flash, whose gradients differ at cp 2 in bench/context_parallel.py, likewise) and dropout (each rank would draw
+    for its block) are refused by name."""
     from families import configs
+    from transformers import Qwen3NextConfig
 
-    from bench.coverage_models import build_config, discover
-    from hf_moe_tp.parallel.context_parallel import backbone_entry
+    from bench.coverage_models import shrink
+    from hf_moe_tp.parallel.context_parallel import FAMILIES, backbone_entry
     from model_patches import meta_model
 
     name, style = backbone_entry(meta_model(configs()["mixtral"]))
     assert name == "model" and style.layers == ("MixtralDecoderLayer",)
-    longcat = next(f for f in discover() if f.name == "longcat_flash")
-    with pytest.raises(ValueError, match="not checked on 'longcat_flash'"):
-        backbone_entry(meta_model(build_config(longcat, 24)[0]))
+    assert "longcat_flash" not in FAMILIES
+    with pytest.raises(ValueError, match="not checked on 'qwen3_next'"):
+        backbone_entry(meta_model(shrink(Qwen3NextConfig(), 24)))
     config = configs()["mixtral"]
     config.attention_dropout = 0.1
     with pytest.raises(ValueError, match="attention_dropout=0.1 would draw per rank's block"):
