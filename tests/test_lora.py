@@ -337,12 +337,16 @@ def _save_merge(path: str, layout: dict, out: str, lora: dict | None = None) -> 
                                                                    **lora))
     data = batches(model.config.vocab_size, 2)
     run_steps(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2), data)
+    writer = peft.peft_model.safe_save_file
     if dist.get_rank() != 0:
         def refuse(*args, **kwargs):
             raise AssertionError(f"rank {dist.get_rank()} wrote adapter files")
 
         peft.peft_model.safe_save_file = refuse
-    model.eval().save_pretrained(f"{out}/adapter")
+    try:
+        model.eval().save_pretrained(f"{out}/adapter")
+    finally:  # the rank workers live on into later tests
+        peft.peft_model.safe_save_file = writer
     ids = data[0]
     with torch.no_grad():
         logits = model(ids).logits

@@ -89,19 +89,26 @@ def reference_steps(path: str, steps: list[torch.Tensor]) -> tuple[list[float], 
     return losses, norms
 
 
-def train_steps(path: str, kwargs: dict, steps: int = STEPS, fused: bool = False, infer_first: bool = False) -> dict:
+def train_steps(path: str, kwargs: dict, steps: int = STEPS, fused: bool = False,
+                infer_first: bool | str = False) -> dict:
     """``steps`` steps at the layout ``kwargs`` give and in one process; per-step loss and total norm. With
     ``infer_first``, an evaluation forward and a generate before them (as a trainer's evaluation, or an RL
-    trainer's rollouts, leave the model)."""
+    trainer's rollouts, leave the model), the optimizer made before them, or with ``"then_optimizer"`` after them
+    (a script that evaluates first: the optimizer then takes the parameters as they are after the inference)."""
     model = layout_model(path, kwargs)
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=fused or None)
     data = batches(model.config.vocab_size, steps)
+
+    def optimizer() -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), **ADAMW, fused=fused or None)
+
+    opt = None if infer_first == "then_optimizer" else optimizer()
     if infer_first:
         model.eval()
         with torch.no_grad():
             model(data[0][:2])
         model.generate(data[0][:2, :4], max_new_tokens=2, do_sample=False)
         model.train()
+    opt = opt or optimizer()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loss, norm = run_steps(model, opt, data)
@@ -519,13 +526,16 @@ def test_fsdp2_experts_in_the_checkpoints_memory_order(ranks, checkpoints):
         assert r["diff"] <= TOL and r["contiguous"] and r["view_strides"], r
 
 
+@pytest.mark.parametrize("order", [True, "then_optimizer"], ids=["optimizer-first", "inference-first"])
 @pytest.mark.parametrize("layout", ["dp4", "dp2_tp2"])
-def test_training_after_inference_with_fsdp(ranks, checkpoints, layout):
+def test_training_after_inference_with_fsdp(ranks, checkpoints, layout, order):
     """Training after forwards without a backward (evaluation, generate), which leave the units FSDP2 keeps
     gathered after forward (the last decoder layer, the final norm with the output projection) gathered: the
     gradients of their parameters reach FSDP2 before it reduces them (the model's whole-forward swap of local
-    parameters used to take them first, and their gradients arrived after the reduction: lost)."""
-    check(ranks(4).run(train_steps, checkpoints("mixtral"), LAYOUTS[layout], infer_first=True))
+    parameters used to take them first, and their gradients arrived after the reduction: lost); and an optimizer
+    made after that inference holds the sharded parameters, not the gathered copy (issue 57: at dp 4 only this
+    order catches keep_training_fresh doing nothing)."""
+    check(ranks(4).run(train_steps, checkpoints("mixtral"), LAYOUTS[layout], infer_first=order))
 
 
 def _inference_after_fsdp(path: str) -> dict:
