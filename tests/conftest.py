@@ -24,6 +24,7 @@ def ranks():
             pools[world_size] = RankPool(world_size, timeout=RANK_TIMEOUT_S)
         return pools[world_size]
 
+    get.pools = pools  # started pools, for _nothing_left_on
     yield get
     for pool in pools.values():
         pool.close()
@@ -40,10 +41,11 @@ def _same_random_stream():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _nothing_left_on(request):
+def _nothing_left_on(request, ranks):
     """A test file leaves no process group and no install() behind (either changes what later files run: inspect
-    refuses to start inside a process group; install() reroutes transformers' from_pretrained). Put right for the
-    next file, and reported as this file's error."""
+    refuses to start inside a process group; install() reroutes transformers' from_pretrained), neither in this
+    process nor in the rank pools' workers, which live on into later files. Put right for the next file, and
+    reported as this file's error."""
     yield
     left = []
     if dist.is_initialized():
@@ -52,5 +54,16 @@ def _nothing_left_on(request):
     if installed():
         uninstall()
         left.append("hf_moe_tp.install()")
+    for world, pool in ranks.pools.items():
+        if any(pool.run(_uninstall_if_installed)):
+            left.append(f"hf_moe_tp.install() on the {world}-rank pool's workers")
     if left:
         pytest.fail(f"{request.module.__name__} left {' and '.join(left)} on", pytrace=False)
+
+
+def _uninstall_if_installed() -> bool:
+    """On a rank worker: whether install() was left on (then switched off)."""
+    if installed():
+        uninstall()
+        return True
+    return False
