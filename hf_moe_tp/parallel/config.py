@@ -85,8 +85,9 @@ class ParallelConfig:
 
     ``cp_size``: context parallelism (:mod:`hf_moe_tp.parallel.context_parallel`): each of ``cp_size`` ranks holds
     1/cp of every sequence through every decoder layer (the world becomes ``(dp_replicate, fsdp, cp, tp)``; the
-    ranks of one ``cp`` x ``tp`` block take the same batch). ``cp_attention``: how attention sees the whole sequence:
-    ``"ulysses"`` (all-to-all between the sequence and the heads; any attention implementation); ``"ring"``
+    ranks of one ``cp`` x ``tp`` block take the same batch; FSDP2 shards the weights over ``fsdp`` x ``cp``).
+    ``cp_attention``: how attention sees the whole sequence: ``"ulysses"`` (all-to-all between the sequence and the
+    heads; any attention implementation); ``"ring"``
     (torch's ``context_parallel``) is refused by name: not available yet. With TP above 1, sequence parallelism
     splits each block again between the regions. Not with expert parallelism yet (refused by name); accelerate's
     ``sp_size`` (Ulysses) is ``cp_size``.
