@@ -41,7 +41,17 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .fsdp import decoder_layers
-from .sequence_parallel import Split, _Comm, _hidden_states, _map_outputs, _Rows, _runner, _whole, stream_stays_split
+from .sequence_parallel import (
+    Split,
+    _Comm,
+    _hidden_states,
+    _map_outputs,
+    _Rows,
+    _runner,
+    _whole,
+    split_for,
+    stream_stays_split,
+)
 from .styles import _check_mesh, _SumGradOverMesh, swap_back, swap_in
 
 # Text model types checked exact at cp 2 against one process: logits, loss and every gradient within 1e-5
@@ -266,10 +276,7 @@ def _split_for(hidden: Any, size: int) -> Split:
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 3:
         raise ValueError(f"context parallelism: the first decoder layer got hidden states of shape "
                          f"{getattr(hidden, 'shape', None)}, not (batch, sequence, ...)")
-    batch, length = hidden.shape[:2]
-    if length <= size:  # a decode step: nothing to split
-        return Split(length, length, batch)
-    return Split(length, -(-length // size), batch)  # the last blocks padded with zero rows
+    return split_for(hidden, size)  # no more rows than ranks: unsplit; else the last blocks padded with zero rows
 
 
 def _trainable(t: Any) -> bool:
