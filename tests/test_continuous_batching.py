@@ -88,6 +88,28 @@ def test_refused_where_ranks_hold_different_batches(ranks, tmp_path, kwargs, lay
         assert len(tokens) == 6
 
 
+def _managers(path: str) -> list[float | None]:
+    """The memory fraction each manager ``init_continuous_batching`` makes would size its paged cache by: with
+    transformers' default config, and with the caller's 0.5 (TRL's GRPO)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    model = hf_moe_tp.from_pretrained(path)
+    fractions = []
+    for config in (None, ContinuousBatchingConfig(max_memory_percent=0.5)):
+        manager = model.init_continuous_batching(generation_config=GenerationConfig(max_new_tokens=2, eos_token_id=0),
+                                                 continuous_batching_config=config)
+        fractions.append(manager.continuous_batching_config.max_memory_percent)
+        model.destroy_cached_continuous_batching_manager()
+    return fractions
+
+
+def test_loaded_model_shares_the_cache_memory(ranks, tmp_path):
+    """A model loaded at TP 2 on one host's CPU: the manager transformers makes sizes its cache by half of the
+    fraction one process would (both CPU ranks share the host's memory)."""
+    for fractions in ranks(2).run(_managers, str(save_family("mixtral", tmp_path))):
+        assert fractions == pytest.approx([CPU_MEMORY_PERCENT / 2, 0.25]), fractions
+
+
 def test_cache_memory_shared_by_the_ranks_of_a_device(monkeypatch):
     from transformers import ContinuousBatchingConfig, GenerationConfig
 

@@ -31,10 +31,16 @@ def _changed(path: str, kwargs: dict):
     """The model loaded at a layout, every weight changed in place: streams must carry the model's weights, not
     the checkpoint's."""
     model = hf_moe_tp.from_pretrained(path, **kwargs)
+    _update(model)
+    return model
+
+
+def _update(model: torch.nn.Module, step: int = 0) -> None:
+    """An exact in-place change of every weight (a different one per ``step``), the same on a split model as on
+    plain transformers: what an RL trainer's update does between two streams."""
     with torch.no_grad():
         for p in model.parameters():
-            p.mul_(1.5)
-    return model
+            p.mul_(1.5) if step == 0 else p.add_(0.25 * step)
 
 
 def _saved(folder: Path) -> dict[str, torch.Tensor]:
@@ -45,23 +51,48 @@ def _saved(folder: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in files for k, v in load_file(folder / f).items()}
 
 
-def _stream_at(path: str, kwargs: dict, out: str) -> dict:
-    model = _changed(path, kwargs)
-    last = dist.get_world_size() - 1
-    streamed = list(hf_moe_tp.named_weights(model))
-    to_last = dict(hf_moe_tp.named_weights(model, to=last))
+def _differ(streamed: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
+    """Keys missing, extra, or whose tensor is not ``expected``'s byte for byte (dtype and shape included)."""
+    wrong = sorted(set(streamed) ^ set(expected))
+    return wrong + [k for k, t in streamed.items() if k in expected and not (
+        t.dtype == expected[k].dtype and t.shape == expected[k].shape and torch.equal(t, expected[k]))]
+
+
+def _references(path: Path, out: Path, steps: int) -> list[dict[str, torch.Tensor]]:
+    """What plain transformers' save_pretrained writes after each of ``steps`` updates (an independent reference,
+    made in the test's own process)."""
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(path)
+    references = []
+    for step in range(steps):
+        _update(plain, step)
+        plain.save_pretrained(out / f"transformers-{step}")
+        references.append(_saved(out / f"transformers-{step}"))
+    return references
+
+
+def _stream_at(path: str, kwargs: dict, references: list[dict[str, torch.Tensor]], out: str) -> dict:
+    """Stream, update the weights, stream again, each compared with plain transformers given the same updates;
+    ``to=last`` compared by value on the last rank, which holds no whole tensor before the send."""
+    me, last = dist.get_rank(), dist.get_world_size() - 1
+    model = hf_moe_tp.from_pretrained(path, **kwargs)
+    wrong = {}
+    for step, expected in enumerate(references):
+        _update(model, step)
+        streamed = list(hf_moe_tp.named_weights(model))
+        to_last = dict(hf_moe_tp.named_weights(model, to=last))
+        wrong[step] = _differ(dict(streamed), expected)
+        wrong[f"to_last {step}"] = _differ(to_last, expected) if me == last else list(to_last)
     batches = []
     report = hf_moe_tp.stream_weights(model, lambda batch: batches.append([name for name, _ in batch]),
                                       batch_bytes=4096)
     model.save_pretrained(out, max_shard_size="20KB")  # several files
     dist.barrier()
-    saved = _saved(Path(out))
     streamed_keys = [k for k, _ in streamed]
-    return {"same_keys": sorted(streamed_keys) == sorted(saved) and len(streamed_keys) == len(saved),
-            "equal": all(torch.equal(t, saved[k]) for k, t in streamed),
-            "to_last": sorted(to_last) == sorted(saved) if dist.get_rank() == last else to_last == {},
+    return {"wrong": wrong, "ours": _differ(_saved(Path(out)), expected), "count": len(expected),
             "batched_in_order": [n for b in batches for n in b] == streamed_keys, "batches": len(batches),
-            "tensors": report.tensors, "count": len(saved)}
+            "tensors": report.tensors}
 
 
 @pytest.mark.parametrize("family, world, kwargs", [
@@ -69,10 +100,14 @@ def _stream_at(path: str, kwargs: dict, out: str) -> dict:
     ("mixtral", 4, {"fsdp_size": 2, "dp_replicate_size": 2}), ("mixtral", 4, {"fsdp_size": 4, "ep_size": 2})],
     ids=["tp2", "tp2-gpt_oss", "ep2", "dp2_tp2", "hsdp2x2", "efsdp2_ep2"])
 def test_named_weights_are_what_save_pretrained_writes(ranks, tmp_path, family, world, kwargs):
+    """From each layout, ``named_weights`` (to every rank, and to the last) yields what plain transformers'
+    save_pretrained writes for the same weights (keys, dtypes, bytes), before and after an update of every weight
+    (an RL loop's stream, step, stream); ``stream_weights`` batches it in order; our save_pretrained writes it too."""
     path = save_family(family, tmp_path)
-    for r in ranks(world).run(_stream_at, str(path), kwargs, str(tmp_path / "saved")):
-        assert r["same_keys"] and r["equal"] and r["to_last"] and r["batched_in_order"], r
-        assert r["tensors"] == r["count"] and 1 < r["batches"] < r["count"], r
+    references = _references(path, tmp_path, 2)
+    for r in ranks(world).run(_stream_at, str(path), kwargs, references, str(tmp_path / "saved")):
+        assert all(wrong == [] for wrong in r["wrong"].values()) and r["ours"] == [], r
+        assert r["batched_in_order"] and r["tensors"] == r["count"] and 1 < r["batches"] < r["count"], r
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -209,8 +244,10 @@ def _trainer(path: str, port: int) -> dict:
     model = _changed(path, {})
     with torch.no_grad():
         logits = model(IDS).logits
-    group = _engine_group(port, 0) if dist.get_rank() == 0 else None
-    report = hf_moe_tp.stream_weights(model, lambda batch: _send(group, batch), to=0, batch_bytes=1 << 16)
+    # the engine joins the last rank, which holds no whole tensor before the stream sends it (rank 0 assembles)
+    last = dist.get_world_size() - 1
+    group = _engine_group(port, 0) if dist.get_rank() == last else None
+    report = hf_moe_tp.stream_weights(model, lambda batch: _send(group, batch), to=last, batch_bytes=1 << 16)
     if group is not None:
         _send(group, None)
     return {"logits": logits.full_tensor() if hasattr(logits, "full_tensor") else logits, "sent": report.tensors}
@@ -238,7 +275,7 @@ def test_streamed_into_an_engine_outside_the_job(ranks, tmp_path):
     with torch.no_grad():
         logits = plain(IDS).logits
     for r in results["out"]:
-        assert r["sent"] == (len(received) if r is results["out"][0] else 0)
+        assert r["sent"] == (len(received) if r is results["out"][-1] else 0)
         assert (r["logits"] - logits).abs().max().item() <= TOL
     assert (plain(IDS).logits - AutoModelForCausalLM.from_pretrained(path)(IDS).logits).abs().max() > 1e-3
 

@@ -363,7 +363,17 @@ def _bf16_fsdp(path: str, fields: dict) -> dict:
     ids = batches(model.config.vocab_size, 1)[0]
     index, count = hf_moe_tp.data_parallel_rank(model)
     mine = ids.chunk(count)[index]
+    computed = {}  # the dtype each float32-kept parameter has while its module computes (FSDP2 may cast it)
+
+    def record(module: torch.nn.Module, args: tuple) -> None:
+        computed.update({f"{names[module]}.{n}": str(p.dtype) for n, p in module.named_parameters(recurse=False)})
+
+    names = {m: n for n, m in model.named_modules() if any(
+        p.dtype == torch.float32 for p in m.parameters(recurse=False))}
+    hooks = [m.register_forward_pre_hook(record) for m in names]
     loss = model(mine, labels=mine).loss
+    for hook in hooks:
+        hook.remove()
     loss.backward()
     grads = {n: _whole(p.grad).float() for n, p in model.named_parameters()}
     whole = loss.detach().float().clone()
@@ -378,7 +388,7 @@ def _bf16_fsdp(path: str, fields: dict) -> dict:
         ref_loss.backward()
         refs[dtype] = ref_loss.item(), {n: p.grad.float() for n, p in ref.named_parameters()}
     (bf16_loss, bf16), (_, fp32) = refs[torch.bfloat16], refs[torch.float32]
-    return {"loss": abs(whole.item() / dist.get_world_size() - bf16_loss), "after": after,
+    return {"loss": abs(whole.item() / dist.get_world_size() - bf16_loss), "after": after, "computed": computed,
             "kept": {n: str(p.dtype) for n, p in model.named_parameters() if p.dtype != torch.bfloat16},
             "grads": {n: ((g - bf16[n]).norm() / fp32[n].norm()).item() for n, g in grads.items()},
             "noise": max(((bf16[n] - fp32[n]).norm() / fp32[n].norm()).item() for n in grads),
@@ -392,7 +402,8 @@ def test_bf16_fsdp_with_float32_kept_parameters(ranks, tmp_path, family, world, 
     """bf16 FSDP2 on families whose router weight transformers keeps in float32 (DeepSeek-V3, GLM-4-MoE): each
     module holding float32 parameters is an FSDP2 unit of its own (FSDP2 holds one dtype per unit), as transformers'
     FSDP2 does, so the first forward runs (it raised "FSDP expects uniform original parameter dtype"). The router
-    weight stays float32 as in transformers' bf16 model; the loss within 2e-2 of transformers' bf16 one process, and
+    weight stays float32 as in transformers' bf16 model, stored and while the router computes (a unit given a bf16
+    ``param_dtype`` would cast it for the forward); the loss within 2e-2 of transformers' bf16 one process, and
     every gradient within BF16_GRAD_RTOL (0.06) of the fp32 gradient's norm from transformers' bf16 gradient, the
     bound test_loading's bf16 gradients use; then an AdamW step trains on. (Seed 1: on seed 0's checkpoint
     transformers' own bf16 gradients are 32% off its fp32 ones, routing flipping under bf16 rounding, which leaves
@@ -403,6 +414,7 @@ def test_bf16_fsdp_with_float32_kept_parameters(ranks, tmp_path, family, world, 
     path = save_model(configs()[family], tmp_path / family, seed=1)
     for r in ranks(world).run(_bf16_fsdp, str(path), fields):
         assert r["dp"] == 2 and r["kept"] == {"model.layers.1.mlp.gate.weight": "torch.float32"}, r["kept"]
+        assert r["computed"] == r["kept"], r["computed"]  # float32 in the forward too, not only as stored
         assert r["loss"] <= 2e-2 and math.isfinite(r["after"]), r
         bad = {n: e for n, e in r["grads"].items() if not e <= BF16_GRAD_RTOL}
         assert bad == {}, (bad, r["noise"])
