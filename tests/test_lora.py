@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from transformers import AutoModelForCausalLM
 
+import hf_moe_tp
 from hf_moe_tp import ExpertParallel
 
 STEPS = 3
@@ -115,6 +116,24 @@ def whole(state: dict) -> dict:
     return {k.replace(".default.", "."): v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
 
 
+def first_grads(model, ids: torch.Tensor, split: bool = True) -> dict[str, torch.Tensor]:
+    """The trainable parameters' whole gradients of one forward and backward on ``ids`` (each data-parallel rank
+    on its rows with ``split``; one process on all), before any clipping or optimizer, then zeroed: what a mean
+    over the replicas must equal. AdamW and clipping hide a gradient off by a constant factor; this does not."""
+    index, count = hf_moe_tp.data_parallel_rank(model) if split else (0, 1)
+    mine = ids.chunk(count)[index]
+    model(mine, labels=mine).loss.backward()
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+             for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    return grads
+
+
+def grad_error(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    assert set(grads) == set(ref) and grads, (sorted(grads), sorted(ref))
+    return max((grads[n] - ref[n]).abs().max().item() for n in ref)
+
+
 def _lora_training(path: str, layout: dict, lora: dict, steps: int = STEPS, out: str | None = None) -> dict:
     """PEFT LoRA at a layout, ranks seeded differently; then, from one process's adapters, SGD steps with one
     clip_grad_norm_ call, against transformers' own model in one process on the whole batch (adapters on the
@@ -142,6 +161,10 @@ def _lora_training(path: str, layout: dict, lora: dict, steps: int = STEPS, out:
     trainable = [p for p in model.parameters() if p.requires_grad]
     data = batches(model.config.vocab_size, steps)
     torch.manual_seed(7)  # the dropout streams
+    grads = first_grads(model, data[0])
+    torch.manual_seed(7)
+    ref_grads = first_grads(ref, data[0], split=False)
+    torch.manual_seed(7)
     loss, norm = run_steps(model, torch.optim.SGD(trainable, **SGD), data)
 
     torch.manual_seed(7)
@@ -170,6 +193,7 @@ def _lora_training(path: str, layout: dict, lora: dict, steps: int = STEPS, out:
             merged = max((unloaded(ids).logits - x).abs().max().item() for ids, x in zip((data[0], data[0][:1]),
                                                                                         logits, strict=True))
     return {"reloaded": reloaded, "merged": merged, "loss": loss, "ref_loss": ref_loss, "norm": norm,
+            "grads": grad_error(grads, ref_grads),
             "ref_norm": ref_norm,
             "weights": max((got[k] - want[k]).abs().max().item() for k in want), "same_keys": set(got) == set(want),
             "layers": layers, "meshes": len({p.device_mesh for p in trainable}),
@@ -193,7 +217,8 @@ def test_lora_trains_as_one_process(ranks, checkpoints, case):  # noqa: F811 - t
         assert all(0.5 < a <= 1.0 and b <= 1.0 for a, b in r["ranges"]), r["ranges"]
         loss = max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"], strict=True))
         norm = max(abs(a - b) for a, b in zip(r["norm"], r["ref_norm"], strict=True))
-        assert loss <= TOL and norm <= TOL and r["weights"] <= TOL, (loss, norm, r["weights"], r)
+        assert r["grads"] <= TOL, f"gradients {r['grads']} off one process's"
+        assert loss <= TOL and norm <= TOL and r["weights"] <= TOL, (loss, norm, r)
         assert len(set(r["loss"])) == STEPS  # the adapters train
 
 
@@ -233,7 +258,9 @@ def test_lora_on_gpt_oss_experts(ranks, checkpoints, tmp_path, layout):  # noqa:
         assert r["all_dtensor"] and r["meshes"] == 1 and not r["wrong"] and r["ranks_agree"], r
         loss = max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"], strict=True))
         norm = max(abs(a - b) for a, b in zip(r["norm"], r["ref_norm"], strict=True))
-        assert loss <= TOL and norm <= TOL and r["weights"] <= TOL and r["reloaded"] <= TOL, (loss, norm, r)
+        assert r["grads"] <= TOL, f"gradients {r['grads']} off one process's"
+        assert loss <= TOL and norm <= TOL and r["weights"] <= TOL, (loss, norm, r)
+        assert r["reloaded"] <= TOL, r
         assert r["merged"] <= TOL, r
         assert len(set(r["loss"])) == STEPS  # the adapters train
 
@@ -258,7 +285,9 @@ def test_lora_on_routed_experts(ranks, checkpoints, tmp_path, layout):  # noqa: 
         assert all(0.5 < a <= 1.0 and b <= 1.0 for a, b in r["ranges"]), r["ranges"]
         loss = max(abs(a - b) for a, b in zip(r["loss"], r["ref_loss"], strict=True))
         norm = max(abs(a - b) for a, b in zip(r["norm"], r["ref_norm"], strict=True))
-        assert loss <= TOL and norm <= TOL and r["weights"] <= TOL and r["reloaded"] <= TOL, (loss, norm, r)
+        assert r["grads"] <= TOL, f"gradients {r['grads']} off one process's"
+        assert loss <= TOL and norm <= TOL and r["weights"] <= TOL, (loss, norm, r)
+        assert r["reloaded"] <= TOL, r
         assert r["merged"] <= TOL, r
 
 
@@ -493,6 +522,8 @@ def _second_adapter(path: str) -> dict:
     for adapter in ("default", "two"):
         set_peft_model_state_dict(models["tp"], get_peft_model_state_dict(models["ref"], adapter_name=adapter),
                                   adapter_name=adapter)
+    grads = {name: first_grads(model, batches(model.config.vocab_size, 1)[0], split=name == "tp")
+             for name, model in models.items()}
     losses = {}
     for name, model in models.items():
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -508,15 +539,18 @@ def _second_adapter(path: str) -> dict:
     report = placement_report(models["tp"], "two")
     two = [p for n, p in models["tp"].named_parameters() if ".two." in n]
     return {"loss": max(abs(a - b) for a, b in zip(losses["tp"], losses["ref"], strict=True)),
+            "grads": grad_error(grads["tp"], grads["ref"]), "trained": sorted({n.split(".")[-2] for n in grads["tp"]}),
             "wrong": report["wrong"], "two": len(two), "trainable": all(p.requires_grad for p in two),
             "dtensor": all(isinstance(p, DTensor) for n, p in models["tp"].named_parameters() if "lora_" in n)}
 
 
 def test_second_adapter(ranks, checkpoints):  # noqa: F811 - the fixture
     """PeftModel.add_adapter on the TP model: the new adapter's factors are DTensors placed like their base layers
-    (on layers that already hold one adapter, and on new ones), and training it matches one process."""
+    (on layers that already hold one adapter, and on new ones), and training it matches one process (its gradients
+    within 1e-5, then the losses of 2 AdamW steps)."""
     for r in ranks(2).run(_second_adapter, checkpoints("mixtral")):
         assert r["loss"] <= TOL and not r["wrong"] and r["two"] == 8 and r["trainable"] and r["dtensor"], r
+        assert r["grads"] <= TOL and r["trained"] == ["two"], r  # the second adapter's gradients, before AdamW
 
 
 def _biased_text_model(path: str) -> dict:

@@ -106,7 +106,7 @@ def test_named_weights_are_what_save_pretrained_writes(ranks, tmp_path, family, 
     path = save_family(family, tmp_path)
     references = _references(path, tmp_path, 2)
     for r in ranks(world).run(_stream_at, str(path), kwargs, references, str(tmp_path / "saved")):
-        assert all(wrong == [] for wrong in r["wrong"].values()) and r["ours"] == [], r
+        assert r["wrong"] == {0: [], "to_last 0": [], 1: [], "to_last 1": []} and r["ours"] == [], str(r["wrong"])
         assert r["batched_in_order"] and r["tensors"] == r["count"] and 1 < r["batches"] < r["count"], r
 
 
