@@ -33,7 +33,16 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.coverage_checks import FP32_TOL, _short, _short_rank_error, ours_passes, run_native, run_ours, step_tolerance
+from bench.coverage_checks import (
+    FP32_TOL,
+    _short,
+    _short_rank_error,
+    loss_tolerance,
+    ours_passes,
+    run_native,
+    run_ours,
+    step_tolerance,
+)
 from bench.coverage_models import Family, discover, save_tiny
 from bench.coverage_multimodal import check_family
 from bench.coverage_report import MM_NOTES, Result, _flags, write_markdown
@@ -84,7 +93,7 @@ def run_family(pool, family: Family, root: Path, timeout: float, native: bool = 
                     bad.append(f"logits differ by {n['diff']:.2g}")
                 if "train_error" in n:
                     bad.append(f"training step: {n['train_error']}")
-                elif n["loss_diff"] > FP32_TOL or n["after_diff"] > step_tolerance(n):
+                elif n["loss_diff"] > loss_tolerance(n) or n["after_diff"] > step_tolerance(n):
                     bad.append(f"training step differs (logits after {n['after_diff']:.2g})")
                 res.native = "pass" if not bad else "fail"
                 res.native_reason = "; ".join(bad)

@@ -99,8 +99,18 @@ def _compare_steps(model, ref, ids, kind, ref_before) -> dict:
     """One training step of each: loss and logits-after differences, and how far the step moved the reference."""
     loss, after = _train_step(model, ids, kind)
     ref_loss, ref_after = _train_step(ref, ids, kind)
-    return {"loss_diff": abs(loss - ref_loss), "after_diff": (after - ref_after).abs().max().item(),
+    return {"loss_diff": abs(loss - ref_loss), "loss_scale": abs(ref_loss),
+            "after_diff": (after - ref_after).abs().max().item(),
             "step_effect": (ref_after - ref_before).abs().max().item()}
+
+
+def loss_tolerance(r: dict) -> float:
+    """How far the losses may differ: 2e-5, or 3e-6 of the loss where that is more. A text model's loss here is a
+    sum over every hidden value (magnitude 10-20), whose fp32 rounding grows with it: transformers' own expert
+    implementations part on it by up to 1.2e-6 of the loss in one process (muse_spark, torch 2.13: eager 16.329338,
+    grouped_mm 16.329334, batched_mm 16.329327; at the odd width eager -11.998263, batched_mm -11.998278), so
+    2.5x that. A wrong forward parts the loss by far more."""
+    return max(FP32_TOL, 3e-6 * r.get("loss_scale", 0.0))
 
 
 def step_tolerance(r: dict) -> float:
@@ -185,7 +195,7 @@ def ours_passes(r: dict) -> str:
         bad.append(f"logits differ by {r['diff']:.2g}")
     if r.get("tokens_equal") is False:
         bad.append("greedy tokens differ")
-    if r.get("loss_diff", 0) > FP32_TOL or r.get("after_diff", 0) > step_tolerance(r):
-        bad.append(f"training step differs (loss {r.get('loss_diff', 0):.2g}, "
+    if r.get("loss_diff", 0) > loss_tolerance(r) or r.get("after_diff", 0) > step_tolerance(r):
+        bad.append(f"training step differs (loss {r.get('loss_diff', 0):.2g} of {loss_tolerance(r):.2g}, "
                    f"logits after {r.get('after_diff', 0):.2g}, allowed {step_tolerance(r):.2g})")
     return "; ".join(bad)

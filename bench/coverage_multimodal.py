@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bench.coverage_checks import FP32_TOL, _full, split_where_it_can, step_tolerance
+from bench.coverage_checks import FP32_TOL, _full, loss_tolerance, split_where_it_can, step_tolerance
 from bench.coverage_models import Family, shrink
 from bench.weights import draw
 
@@ -427,7 +427,8 @@ def run_multimodal(path: str, inputs_path: str, full: bool = True) -> dict:
         out["tokens_equal"] = torch.equal(model.generate(**inputs, max_new_tokens=6, do_sample=False), expected)
     loss, after = _step(model, inputs)
     ref_loss, ref_after = _step(ref, inputs)
-    out.update(loss_diff=abs(loss - ref_loss), after_diff=(after - ref_after).abs().max().item(),
+    out.update(loss_diff=abs(loss - ref_loss), loss_scale=abs(ref_loss),
+               after_diff=(after - ref_after).abs().max().item(),
                step_effect=(ref_after - refs[first]).abs().max().item())
     return out
 
@@ -448,7 +449,7 @@ def multimodal_passes(r: dict) -> tuple[list[str], str, str]:
     if r.get("tokens_equal") is False:
         bad.append(f"greedy tokens with the {first} differ")
         failed.add(first)
-    if r.get("loss_diff", 0) > FP32_TOL or r.get("after_diff", 0) > step_tolerance(r):
+    if r.get("loss_diff", 0) > loss_tolerance(r) or r.get("after_diff", 0) > step_tolerance(r):
         bad.append(f"training step with the {first} differs (loss {r.get('loss_diff', 0):.2g}, "
                    f"logits after {r.get('after_diff', 0):.2g}, allowed {step_tolerance(r):.2g})")
         failed.add(first)
