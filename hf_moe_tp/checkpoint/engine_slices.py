@@ -16,14 +16,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import Placement, Replicate
 
 from ..parallel import plans
 from ..parallel.boxes import pieces
-from ..parallel.experts import GroupedExperts
 from ..parallel.model_state import family_of
-from ..parallel.styles import LocalParams, TensorParallel, VocabParallelEmbedding, expert_placements, unsplittable
+from ..parallel.style_facts import param_placements
 
 
 def engine_placements(model: nn.Module, size: int) -> dict[str, Placement]:
@@ -38,19 +36,7 @@ def engine_placements(model: nn.Module, size: int) -> dict[str, Placement]:
     plan = plans.tp_plan(meta, size)
     out: dict[str, Placement] = {}
     for name, module in meta.named_modules():
-        style = plan.get(name)
-        if isinstance(style, TensorParallel) and isinstance(module, GroupedExperts):
-            found = {} if unsplittable(module, size) else expert_placements(module)
-        elif isinstance(style, ColwiseParallel):  # ours (LocalColwiseParallel) and torch's; an embedding's by features
-            found = {"weight": Shard(1)} if isinstance(module, nn.Embedding) else {"weight": Shard(0), "bias": Shard(0)}
-        elif isinstance(style, RowwiseParallel):  # ours (LocalRowwiseParallel) and torch's; an embedding's by rows
-            found = {"weight": Shard(0) if isinstance(module, nn.Embedding) else Shard(1)}
-        elif isinstance(style, VocabParallelEmbedding):
-            found = {"weight": Shard(0)}
-        elif isinstance(style, LocalParams):
-            found = dict(style.placements)
-        else:
-            found = {}
+        found = param_placements(plan.get(name), module, size)
         prefix = f"{name}." if name else ""
         for param, _ in module.named_parameters(recurse=False):
             placement = found.get(param)

@@ -32,13 +32,13 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..parallel.boxes import shard_dim
 from ..parallel.experts import GroupedExperts
-from ..parallel.linear import LocalColwiseParallel, LocalRowwiseParallel
 from ..parallel.plans import _style_for
-from ..parallel.styles import LocalParams, NoParallel, distribute
+from ..parallel.style_facts import computes_locally, transformers_names
+from ..parallel.styles import distribute
 from .conversions import model_keys, parameter_sources
 from .files import Checkpoint
 from .quantized import BlockScales, CheckpointView, Fp8Weight, checkpoint_view, fp8_to_float32, scale_values
@@ -197,12 +197,12 @@ def keep_fp8_weights(model: nn.Module, path: str | Path, plan: dict[str, Paralle
         module = model.get_submodule(owner)
         if isinstance(module, nn.Linear):
             style = _style_for(owner, plan)
-            if not _local_compute(style, module):
+            if not computes_locally(style, module):
                 raise ValueError(f"keep_quantized=True: FP8 linear {owner} is planned as {style!r}, which computes on "
                                  "DTensors; FP8 linears run under LocalColwiseParallel / LocalRowwiseParallel or "
                                  "replicated")
-            dtype, scales, scale_dtype = _kept(owner, "weight", weights["weight"], 0 if isinstance(
-                style, RowwiseParallel) else 1, quant.block)
+            by_rows = transformers_names(style, module).get("") == "rowwise"  # scales blocked along the cut
+            dtype, scales, scale_dtype = _kept(owner, "weight", weights["weight"], 0 if by_rows else 1, quant.block)
             model.set_submodule(owner, Fp8Linear(module, dtype, scales, scale_dtype, owner))
             continue
         blocked = expert_blocked(module)
@@ -232,13 +232,6 @@ def _kept(owner: str, weight: str, found: list[tuple[Source, Fp8Weight]], dim: i
     dtype, scale_dtype = dtypes.pop()
     scales = BlockScales(f"{weight}_scale", dim, blocks[axis.dim - first], tuple(blocks))
     return TORCH_DTYPES[dtype], scales, TORCH_DTYPES[scale_dtype]
-
-
-def _local_compute(style: ParallelStyle | None, module: nn.Module) -> bool:
-    """Whether ``style`` runs ``module`` on local tensors (an FP8 linear needs it)."""
-    if style is None or isinstance(style, LocalParams | NoParallel):
-        return True
-    return isinstance(style, LocalColwiseParallel | LocalRowwiseParallel) and style.computes_locally(module)
 
 
 def place_scales(model: nn.Module) -> None:

@@ -45,6 +45,10 @@ class LocalColwiseParallel(ColwiseParallel):
         return (isinstance(module, nn.Linear) and self.input_layouts == (Replicate(),) and self.use_local_output
                 and self.output_layouts[0] in (Shard(-1), Replicate()))
 
+    def gathers_output(self, module: nn.Module) -> bool:
+        """Whether it computes ``module`` on local tensors and gathers the output's features whole."""
+        return self.output_layouts[0] == Replicate() and self.computes_locally(module)
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not self.computes_locally(module):
             return super()._apply(module, device_mesh)

@@ -26,11 +26,12 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from .linear import KEEP_SPLIT, LocalColwiseParallel, gather_kept_split
+from .linear import KEEP_SPLIT, gather_kept_split
 from .model_state import style_of
+from .style_facts import gathers_output
 
 # Inside loss_only(): a plain global, not a ContextVar, which torch.compile cannot read (a graph break)
 _loss_only = {"depth": 0}
@@ -89,8 +90,7 @@ def split_loss(model: nn.Module, plan: dict) -> bool:
     training-mode forward that computed a loss. :func:`hf_moe_tp.apply_plan` calls it."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     style = next((plan.get(n) for n, m in model.named_modules() if m is head), None) if head is not None else None
-    if not (isinstance(style, LocalColwiseParallel) and style.output_layouts[0] == Replicate()
-            and style.computes_locally(head) and getattr(model, "loss_function", None) is ForCausalLMLoss):
+    if not (gathers_output(style, head) and getattr(model, "loss_function", None) is ForCausalLMLoss):
         return False
     keep_split_in_training = style.keep_split_in_training
     params = list(inspect.signature(model.forward).parameters)

@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from .._compat import MODEL_RESIZED_EMBEDDINGS, MODEL_RESIZED_HEAD, drop_forward_hooks, fsdp_replace_param
-from .linear import LocalColwiseParallel
 from .model_state import STYLE, placed
-from .styles import LocalParams, VocabParallelEmbedding
+from .style_facts import param_placements
+from .styles import LocalParams
 
 OURS = ("hf_moe_tp.", "torch.distributed.tensor.")  # modules whose forward hooks a placement registers
 
@@ -122,7 +122,7 @@ def _place(model: nn.Module, module: nn.Module, tensors: dict[str, torch.Tensor]
         module._parameters[name] = nn.Parameter(tensor, requires_grad=module._parameters[name].requires_grad)
     style = getattr(module, STYLE, None)
     if split and mesh is not None and style is not None:  # not where no plan placed it (one process, FSDP2 at TP 1)
-        if isinstance(style, VocabParallelEmbedding | LocalColwiseParallel) and rows % mesh.size():
+        if param_placements(style, module).get("weight") == Shard(0) and rows % mesh.size():  # rows no longer divide
             style = LocalParams(sum_grads=False)
         style._apply(module, mesh)
         setattr(module, STYLE, style)

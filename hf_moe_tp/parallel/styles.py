@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .._compat import is_strided_shard, strided_shard
-from .boxes import checkpoint_pieces
+from .boxes import checkpoint_pieces, shard_dim
 from .experts import adds_row_bias
 
 
@@ -90,6 +90,28 @@ class TensorParallel(ParallelStyle):
         return (f"TensorParallel(input_layouts={self.input_layouts}, output_layout={self.output_layout}, "
                 f"use_local_output={self.use_local_output})")
 
+    def param_placements(self, module: nn.Module, size: int | None = None) -> dict[str, Placement]:
+        """:func:`expert_placements`; nothing split where the experts cannot be over ``size`` ranks."""
+        return {} if unsplittable(module, size) else expert_placements(module)
+
+    def transformers_names(self, module: nn.Module) -> dict[str, str]:
+        """transformers' name for each split parameter: ``packed_colwise`` for gate then up rows, else ``colwise``
+        (split by outputs) or ``rowwise`` (by inputs)."""
+        names, inputs = {}, 1 if module.is_transposed else 2
+        for param, p in module.named_parameters(recurse=False):
+            placement = expert_placements(module).get(param)
+            dim = None if placement is None else shard_dim(placement, p.dim())
+            if dim is not None:
+                names[param] = ("packed_colwise" if is_strided_shard(placement)
+                                else "rowwise" if dim == inputs else "colwise")
+        return names
+
+    def computes_locally(self, module: nn.Module) -> bool:
+        return True
+
+    def experts_split_by(self, module: nn.Module) -> str:
+        return "hidden"
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_mesh(device_mesh, self)
         why = unsplittable(module, device_mesh.size())
@@ -151,6 +173,12 @@ class NoParallel(ParallelStyle):
         return (f"NoParallel(input_layout={self.input_layout}, output_layout={self.output_layout}, "
                 f"use_local_output={self.use_local_output})")
 
+    def computes_locally(self, module: nn.Module) -> bool:
+        return True
+
+    def keeps_whole(self, module: nn.Module) -> bool:
+        return (self.input_layout == Replicate() and self.output_layout == Replicate()) and self.use_local_output
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_mesh(device_mesh, self)
         distribute_params(module, device_mesh, {}, self.src_data_rank, buffers=True)
@@ -188,6 +216,20 @@ class LocalParams(ParallelStyle):
     def __repr__(self) -> str:
         return f"LocalParams(placements={self.placements}, sum_grads={self.sum_grads})"
 
+    def param_placements(self, module: nn.Module, size: int | None = None) -> dict[str, Placement]:
+        return dict(self.placements)
+
+    def transformers_names(self, module: nn.Module) -> dict[str, str]:
+        if self.placements:
+            return {"": "local_params"}
+        return {"": "replicated_with_grad_allreduce"} if self.sum_grads else {}
+
+    def computes_locally(self, module: nn.Module) -> bool:
+        return True
+
+    def keeps_whole(self, module: nn.Module) -> bool:
+        return not self.placements and not self.sum_grads
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _check_mesh(device_mesh, self)
         distribute_params(module, device_mesh, self.placements, self.src_data_rank, recurse=False)
@@ -214,6 +256,9 @@ class MlaKvAProj(LocalParams):
 
     def __repr__(self) -> str:
         return f"MlaKvAProj(rope_dim={self.rope_dim})"
+
+    def transformers_names(self, module: nn.Module) -> dict[str, str]:
+        return {"": "mla_kv_a_proj"}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module = super()._apply(module, device_mesh)
@@ -243,6 +288,9 @@ class VocabParallelEmbedding(LocalParams):
 
     def __repr__(self) -> str:
         return "VocabParallelEmbedding()"
+
+    def transformers_names(self, module: nn.Module) -> dict[str, str]:
+        return {"": "embedding_rowwise"}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if module.weight.shape[0] < device_mesh.size():

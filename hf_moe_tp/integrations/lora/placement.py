@@ -12,14 +12,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from ...parallel.boxes import shard_dim
-from ...parallel.linear import KEEP_SPLIT, LocalColwiseParallel, LocalRowwiseParallel
+from ...parallel.linear import KEEP_SPLIT
+from ...parallel.style_facts import keeps_whole, transformers_names
 from ...parallel.styles import (
-    LocalParams,
-    MlaKvAProj,
-    NoParallel,
     _SumGradOverMesh,
     distribute,
     local_during_forward,
@@ -63,8 +61,9 @@ def _distribute(module: nn.Linear, placement: _Placement, split: Placement) -> N
 class _Placement:
     """Where an adapter's factors go for a base layer of ``style``, and the hooks that compute with them."""
 
-    def __init__(self, style: ParallelStyle | None, where: str, mesh: DeviceMesh, kind: str | None = None) -> None:
-        self.style, self.where, self.mesh = style, where, mesh
+    def __init__(self, style: ParallelStyle | None, where: str, mesh: DeviceMesh, kind: str | None = None,
+                 module: nn.Module | None = None) -> None:
+        self.style, self.where, self.mesh, self.module = style, where, mesh, module
         self.tp_dim = _tp_dim(mesh, where)  # None: FSDP2 at a TP size of 1, nothing split over tp
         self.tp_mesh = None if self.tp_dim is None else mesh if mesh.ndim == 1 else mesh["tp"]
         self.dp_groups = [mesh.get_group(d) for d in range(mesh.ndim) if d != self.tp_dim and mesh.size(d) > 1]
@@ -77,20 +76,20 @@ class _Placement:
         style = self.style
         if self.tp_mesh is None or self.tp_mesh.size() == 1:
             return "replicated"
-        if type(style) in (ColwiseParallel, LocalColwiseParallel):
+        name = transformers_names(style, self.module).get("")
+        if name == "colwise":
             if style.input_layouts != (Replicate(),) or len(style.output_layouts) != 1:
                 self._refuse()
             return "colwise"
-        if type(style) in (RowwiseParallel, LocalRowwiseParallel):
+        if name == "rowwise":
             if style.input_layouts[0] not in (Shard(-1), Replicate()) or style.output_layouts != (Replicate(),):
                 self._refuse()
             return "rowwise"
-        if type(style) is MlaKvAProj:
+        if name == "mla_kv_a_proj":
             return "mla"
-        if type(style) is LocalParams and not style.placements:
-            return "replicated_sum_grads" if style.sum_grads else "replicated"
-        if (type(style) is NoParallel and style.input_layout == Replicate() and style.output_layout == Replicate()
-                and style.use_local_output):
+        if name == "replicated_with_grad_allreduce":
+            return "replicated_sum_grads"
+        if name is None and keeps_whole(style, self.module):
             return "replicated"
         self._refuse()
 
