@@ -33,10 +33,7 @@ from .parallel.config import SETTINGS, ParallelConfig, has_replicas
 from .parallel.context_parallel import apply_context_parallel
 from .parallel.continuous_batching import bind_continuous_batching
 from .parallel.expert_balance import balance_experts
-from .parallel.expert_parallel import ExpertParallel
-from .parallel.experts import GroupedExperts
 from .parallel.fsdp import divide_expert_gradients, shard_data_parallel
-from .parallel.hf_plan import matches
 from .parallel.input_check import check_inputs_on, check_mode
 from .parallel.meshes import Layout, declare, init_process_group, mesh_device, resolve_layout
 from .parallel.model_state import state_of
@@ -77,7 +74,7 @@ def from_pretrained(
     refused naming each.
 
     The steps, each a function of this module: :func:`resolve_arguments`, :func:`make_layout`,
-    :func:`build_meta_model`, :func:`make_plan`, :func:`place`, :func:`read`, :func:`wrap`.
+    :func:`build_meta_model`, :func:`hf_moe_tp.parallel.plans.make_plan`, :func:`place`, :func:`read`, :func:`wrap`.
 
     With FSDP2, the model takes its final layout on the meta device (plan, then ``fully_shard``) before any byte
     is read, and each rank reads exactly the box of each parameter it holds: FSDP's shard of its TP shard.
@@ -115,7 +112,7 @@ def from_pretrained(
         args = resolve(path, dtype, **hf_kwargs)
         layout = make_layout(parallel, opts, device_mesh, timeout)
         model = build_meta_model(args, layout, model_class)
-        plan = make_plan(model, parallel, layout)
+        plan = plans.make_plan(model, parallel, layout)
         place(model, plan, layout, parallel, opts, args.path)
         read(model, args, layout, opts, threads=threads, record_reads=record_reads)
         wrap(model, layout, opts, timeout)
@@ -170,50 +167,6 @@ def build_meta_model(args: Resolved, layout: Layout, model_class: type | None = 
     model = meta_model(args.config, model_class, args.dtype, attn_implementation=args.attn_implementation)
     _buffers_to(model, mesh_device(layout.tp))
     return model
-
-
-def make_plan(model: nn.Module, parallel: ParallelConfig, layout: Layout) -> dict[str, ParallelStyle]:
-    """Module names -> styles for ``model``: ``parallel.tp_plan`` as transformers means it (``"auto"``:
-    :func:`hf_moe_tp.tp_plan`, the model's own; a dict: the model's own with the dict's entries overriding it,
-    :func:`hf_moe_tp.parallel.plans.override`; ``{}`` or None: nothing split but, with expert parallelism, the
-    experts), the output projection keeping the logits split with ``loss_parallel``, every ExpertParallel with
-    ``ep_dispatch``."""
-    mesh, ep_mesh = layout.tp, layout.ep
-    ep_size = parallel.ep_size or (ep_mesh["ep"].size() if ep_mesh is not None else None)
-    if parallel.tp_plan == "auto" or parallel.tp_plan:
-        plan = plans.tp_plan(model, mesh.size(), ep_size=ep_size, sequence_parallel=parallel.sequence_parallel)
-        if parallel.tp_plan != "auto":
-            plan = plans.override(plan, parallel.tp_plan, model, mesh.size())
-    else:
-        plan = {}
-    if ep_size and ep_size > 1:  # whole experts wherever the plan leaves them (transformers' ep_size beside a
-        # tp_plan, e.g. DistributedConfig(enable_expert_parallel=True) -> ep_size=tp_size, tp_plan={})
-        plan.update(_experts_left(model, plan, ep_size))
-    if parallel.loss_parallel:
-        head = plans.output_embedding_name(model)
-        plan[head] = plans.loss_parallel_head(model, plan.get(head), head)
-    if parallel.ep_dispatch is not None:
-        plan = {n: ExpertParallel(input_layout=s.input_layout, dispatch=parallel.ep_dispatch)
-                if isinstance(s, ExpertParallel) else s for n, s in plan.items()}
-    if layout.plain_below_fsdp():  # nothing to split over one rank: the experts' ExpertParallel alone
-        plan = {n: s for n, s in plan.items() if isinstance(s, ExpertParallel)}
-    return plan
-
-
-def _experts_left(model: nn.Module, plan: dict[str, ParallelStyle], ep_size: int) -> dict[str, ParallelStyle]:
-    """ExpertParallel for each GroupedExperts ``plan`` names nowhere; one it gives another style is refused (the
-    ``ep_size`` asked for would not reach it)."""
-    out = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, GroupedExperts):
-            continue
-        style = plan.get(name) or next((s for p, s in plan.items() if "*" in p and matches(name, p)), None)
-        if style is None:
-            out[name] = ExpertParallel()
-        elif not isinstance(style, ExpertParallel):
-            raise ValueError(f"ep_size={ep_size} with tp_plan giving {name} {style!r}: expert parallelism needs "
-                             f"ExpertParallel (or no entry) for the experts; drop ep_size or that entry")
-    return out
 
 
 def place(model: nn.Module, plan: dict[str, ParallelStyle], layout: Layout, parallel: ParallelConfig,
@@ -274,19 +227,11 @@ def wrap(model: nn.Module, layout: Layout, opts: LoadOptions | None = None, time
     global_balancing_loss(model, opts.balancing_loss)
     bind_save_pretrained(model)
     bind_resize(model)
-    declare(model, layout, _ep_size(model, layout))  # to transformers, its Trainer and accelerate
+    # to transformers, its Trainer and accelerate
+    declare(model, layout, plans.experts_split_over(state_of(model).plan, layout))
     bind_continuous_batching(model, layout, dist.get_world_size() if dist.is_initialized() else 1)
     explain_collective_failures(model, layout.meshes(), timeout)
     check_inputs_on(model, layout.same_batch(), opts.check_inputs)
-
-
-def _ep_size(model: nn.Module, layout: Layout) -> int:
-    """The ranks ``model``'s experts are split over: an ``(ep, tp)`` mesh's ep size, the TP size where the plan
-    gives them ``ExpertParallel`` on the TP mesh, else 1."""
-    if layout.ep is not None:
-        return layout.ep["ep"].size()
-    styles = state_of(model).plan.values()
-    return layout.tp.size() if any(isinstance(s, ExpertParallel) for s in styles) else 1
 
 
 def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle | str],

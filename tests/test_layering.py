@@ -108,3 +108,61 @@ def test_the_layering_check_sees_imports_inside_functions():
     assert _violations(imported, "integrations") == ["hf_moe_tp", "hf_moe_tp.cli"]
     assert _violations(imported, "model_patches") == ["hf_moe_tp", "hf_moe_tp.cli", "hf_moe_tp.integrations.switch",
                                                       "hf_moe_tp.integrations.switch.enable", "hf_moe_tp.pretrained"]
+
+
+# where a plan entry's type may be branched on: the styles themselves, the plan, and style_facts (the one place
+# everything else asks what a style does: issue 54 item 1)
+STYLE_CODE = {f"parallel/{name}.py" for name in ("styles", "linear", "expert_parallel", "sequence_parallel",
+                                                 "context_parallel", "style_facts", "plans", "hf_plan", "towers")}
+
+
+def _style_names() -> set[str]:
+    """The names of every ParallelStyle class torch's or our parallel/ defines."""
+    from torch.distributed.tensor import parallel as torch_parallel
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    names = {n for n, v in vars(torch_parallel).items() if isinstance(v, type) and issubclass(v, ParallelStyle)}
+    for path in (PACKAGE / "parallel").glob("*.py"):
+        module = importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        names |= {n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, ParallelStyle)}
+    return names
+
+
+def _style_branches(tree: ast.AST, styles: set[str]) -> list[int]:
+    """Lines of ``isinstance(x, S)``, ``type(x) is S`` and ``type(x) in (S, ...)`` naming a style class ``S``."""
+    def names(node: ast.AST) -> set[str]:
+        return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+                if isinstance(n, ast.Name | ast.Attribute)}
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+            hit = len(node.args) == 2 and names(node.args[1]) & styles
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Call) and getattr(
+                node.left.func, "id", None) == "type":
+            hit = any(names(c) & styles for c in node.comparators)
+        else:
+            continue
+        if hit:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_style_types_branched_on_only_in_style_and_plan_code():
+    """What a style does to a module is asked of the style (parallel/style_facts.py), not worked out again by
+    branching on its type elsewhere: outside the styles and the plan, no isinstance / type() test names one."""
+    styles = _style_names()
+    assert {"TensorParallel", "ExpertParallel", "ColwiseParallel", "LocalParams"} <= styles, styles
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = str(path.relative_to(PACKAGE))
+        lines = _style_branches(ast.parse(path.read_text()), styles)
+        if lines and where not in STYLE_CODE:
+            found[where] = lines
+    assert found == {}, found
+
+
+def test_the_style_branch_check_sees_each_form():
+    tree = ast.parse("isinstance(s, TensorParallel)\ntype(s) is NoParallel\ntype(s) in (a.ColwiseParallel, b)\n"
+                     "isinstance(s, DTensor)\n")
+    assert _style_branches(tree, {"TensorParallel", "NoParallel", "ColwiseParallel"}) == [1, 2, 3]

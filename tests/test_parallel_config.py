@@ -21,6 +21,7 @@ from hf_moe_tp import ParallelConfig, pretrained
 from hf_moe_tp.integrations.hf_arguments import resolve
 from hf_moe_tp.integrations.install import parallel_config
 from hf_moe_tp.options import OPTIONS, LoadOptions
+from hf_moe_tp.parallel import plans
 from hf_moe_tp.parallel.meshes import Layout
 
 
@@ -259,11 +260,11 @@ def test_each_step_alone(world, mixtral):
     assert all(p.is_meta for p in model.parameters())
     assert type(model.model.layers[0].mlp.experts).__name__ == "GroupedExperts"
 
-    plan = pretrained.make_plan(model, parallel, layout)
+    plan = plans.make_plan(model, parallel, layout)
     assert {n: repr(s) for n, s in plan.items()} == {n: repr(s) for n, s in hf_moe_tp.tp_plan(model, 1).items()}
-    assert pretrained.make_plan(model, ParallelConfig(tp_plan=None), layout) == {}
-    assert pretrained.make_plan(model, ParallelConfig(tp_plan={}), layout) == {}
-    overridden = pretrained.make_plan(model, ParallelConfig(tp_plan={"lm_head": None}), layout)  # the model's, less one
+    assert plans.make_plan(model, ParallelConfig(tp_plan=None), layout) == {}
+    assert plans.make_plan(model, ParallelConfig(tp_plan={}), layout) == {}
+    overridden = plans.make_plan(model, ParallelConfig(tp_plan={"lm_head": None}), layout)  # the model's, less one
     assert overridden.keys() == plan.keys() - {"lm_head"}
 
     pretrained.place(model, plan, layout, parallel, opts, args.path)

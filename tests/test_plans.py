@@ -77,16 +77,16 @@ def test_ep_size_beside_a_dict_plan(fake_ranks):
     model = meta_model(configs()["mixtral"])
     config = ParallelConfig.from_distributed_config(DistributedConfig(tp_size=2, ep_size=2, tp_plan={}))
     layout = pretrained.make_layout(config)
-    plan = pretrained.make_plan(model, config, layout)
+    plan = plans.make_plan(model, config, layout)
     assert set(plan) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
     assert all(isinstance(s, ExpertParallel) for s in plan.values())
-    plan = pretrained.make_plan(model, ParallelConfig(tp_plan={"lm_head": "colwise"}, ep_size=2), layout)
+    plan = plans.make_plan(model, ParallelConfig(tp_plan={"lm_head": "colwise"}, ep_size=2), layout)
     assert isinstance(plan["lm_head"], LocalColwiseParallel)
     assert "model.layers.0.self_attn.q_proj" in plan  # the model's
     assert all(isinstance(plan[f"model.layers.{i}.mlp.experts"], ExpertParallel) for i in (0, 1))
     tensor_parallel = ParallelConfig(tp_plan={"model.layers.*.mlp.experts": TensorParallel()}, ep_size=2)
     with pytest.raises(ValueError, match=r"ep_size=2 with tp_plan giving model\.layers\.0\.mlp\.experts"):
-        pretrained.make_plan(model, tensor_parallel, layout)
+        plans.make_plan(model, tensor_parallel, layout)
 
 
 def test_dict_plan_overrides_the_models_plan(fake_ranks):
@@ -99,10 +99,10 @@ def test_dict_plan_overrides_the_models_plan(fake_ranks):
 
     model = meta_model(configs()["mixtral"])
     layout = pretrained.make_layout(ParallelConfig())
-    auto = pretrained.make_plan(model, ParallelConfig(), layout)
+    auto = plans.make_plan(model, ParallelConfig(), layout)
     unit = {"model.layers.*.self_attn.q_proj": "unit_colwise", "model.layers.*.self_attn.o_proj": "unit_rowwise",
             "lm_head": None, "model.layers.0.mlp.experts.gate_up_proj": "grouped_gemm"}
-    plan = pretrained.make_plan(model, ParallelConfig(tp_plan=unit), layout)
+    plan = plans.make_plan(model, ParallelConfig(tp_plan=unit), layout)
     assert set(plan) == set(auto) - {"lm_head"}
     assert isinstance(plan["model.layers.0.self_attn.q_proj"], LocalColwiseParallel)
     assert isinstance(plan["model.layers.0.mlp.experts"], ExpertParallel)
@@ -112,13 +112,13 @@ def test_dict_plan_overrides_the_models_plan(fake_ranks):
     config.num_attention_heads = config.num_key_value_heads = 1
     config.head_dim = 8
     one_head = meta_model(config)
-    plan = pretrained.make_plan(one_head, ParallelConfig(tp_plan=unit), layout)
+    plan = plans.make_plan(one_head, ParallelConfig(tp_plan=unit), layout)
     assert not any("self_attn" in n for n in plan)  # replicated: heads do not divide by 2
     with pytest.raises(ValueError, match=r"tp_plan entry 'model\.layers\.\*\.self_attn\.q_proj'.*do not divide"):
         entry = {"model.layers.*.self_attn.q_proj": LocalColwiseParallel()}
-        pretrained.make_plan(one_head, ParallelConfig(tp_plan=entry), layout)
+        plans.make_plan(one_head, ParallelConfig(tp_plan=entry), layout)
     with pytest.raises(ValueError, match=r"tp_plan entry 'layers\.\*\.self_attn\.q_proj': 'colwise' names no module"):
-        pretrained.make_plan(model, ParallelConfig(tp_plan={"layers.*.self_attn.q_proj": "colwise"}), layout)
+        plans.make_plan(model, ParallelConfig(tp_plan={"layers.*.self_attn.q_proj": "colwise"}), layout)
 
 
 def test_described_plan_is_transformers(fake_ranks):
@@ -132,7 +132,7 @@ def test_described_plan_is_transformers(fake_ranks):
     for family, gate_up in (("mixtral", "packed_colwise"), ("gpt_oss", "colwise")):
         model = meta_model(configs()[family])
         layout = pretrained.make_layout(ParallelConfig())
-        plan = pretrained.make_plan(model, ParallelConfig(), layout)
+        plan = plans.make_plan(model, ParallelConfig(), layout)
         described = plans.described(model, plan)
         experts = "model.layers.1.mlp.experts"
         assert _get_parameter_plan(f"{experts}.gate_up_proj", described) == gate_up
@@ -185,7 +185,7 @@ def test_fsdp_units_are_transformers(tied):
         want = {""} | {n for n, _ in model.named_modules() if any(plans.matches(n, p) for p in resolved)}
         parallel = ParallelConfig(fsdp_size=2)
         layout = pretrained.make_layout(parallel)
-        pretrained.place(model, pretrained.make_plan(model, parallel, layout), layout, parallel)
+        pretrained.place(model, plans.make_plan(model, parallel, layout), layout, parallel)
         got = {n for n, m in model.named_modules() if type(m).__name__.startswith("FSDP")}
         shared = model.lm_head.weight is model.model.embed_tokens.weight
     assert got == want, (sorted(got - want), sorted(want - got))

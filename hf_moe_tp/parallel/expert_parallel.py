@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from .model_state import style_of
 from .styles import (
     LocalParams,
     _hook_inputs,
@@ -73,6 +74,17 @@ class ExpertParallel(ParallelStyle):
     def __repr__(self) -> str:
         return f"ExpertParallel(input_layout={self.input_layout}, dispatch={self.dispatch!r})"
 
+    def param_placements(self, module: nn.Module, size: int | None = None) -> dict[str, Placement]:
+        """Every parameter split by experts."""
+        return {name: Shard(0) for name, _ in module.named_parameters(recurse=False)}
+
+    def experts_split_by(self, module: nn.Module) -> str:
+        return "experts"
+
+    def transformers_names(self, module: nn.Module) -> dict[str, str]:
+        params = {name: "grouped_gemm" for name, _ in module.named_parameters(recurse=False)}
+        return {"": "ep_dispatch_experts", **params}
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         ep_mesh, batch_mesh, placements = self._meshes(device_mesh)
         num_experts = module.num_experts
@@ -117,6 +129,11 @@ class ExpertParallel(ParallelStyle):
         placements: list[Placement] = [Replicate(), Replicate()]
         placements[ep] = Shard(0)
         return mesh["ep"], mesh[names[1 - ep]], placements
+
+
+def placed_by_expert_parallel(module: nn.Module) -> bool:
+    """Whether a plan placed ``module`` with :class:`ExpertParallel`."""
+    return isinstance(style_of(module), ExpertParallel)
 
 
 class _Dispatcher:

@@ -25,9 +25,9 @@ from torch.distributed.tensor.parallel import (
 )
 from transformers import PretrainedConfig
 
-from .._compat import MODEL_TP_PLAN, is_strided_shard
+from .._compat import MODEL_TP_PLAN
 from ..runtime.shutdown import release_at_exit
-from .boxes import shard_dim
+from .config import ParallelConfig
 from .expert_balance import count_tokens_per_expert
 from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
@@ -38,14 +38,13 @@ from .loss import split_loss
 from .meshes import Layout
 from .model_state import STYLE, family_of, state_of
 from .sequence_parallel import SequenceParallel, backbone_entry, is_region
+from .style_facts import gathers_output, transformers_names
 from .styles import (
     LocalDuringCall,
     LocalParams,
-    MlaKvAProj,
     NoParallel,
     TensorParallel,
     VocabParallelEmbedding,
-    expert_placements,
     swap_to_local,
     unsplittable,
 )
@@ -193,10 +192,62 @@ def sequence_entry(model: nn.Module, tp_size: int | None, sequence_parallel: boo
     return entry
 
 
+def make_plan(model: nn.Module, parallel: ParallelConfig, layout: Layout) -> dict[str, ParallelStyle]:
+    """Module names -> styles for ``model``: ``parallel.tp_plan`` as transformers means it (``"auto"``:
+    :func:`hf_moe_tp.tp_plan`, the model's own; a dict: the model's own with the dict's entries overriding it,
+    :func:`hf_moe_tp.parallel.plans.override`; ``{}`` or None: nothing split but, with expert parallelism, the
+    experts), the output projection keeping the logits split with ``loss_parallel``, every ExpertParallel with
+    ``ep_dispatch``."""
+    mesh, ep_mesh = layout.tp, layout.ep
+    ep_size = parallel.ep_size or (ep_mesh["ep"].size() if ep_mesh is not None else None)
+    if parallel.tp_plan == "auto" or parallel.tp_plan:
+        plan = tp_plan(model, mesh.size(), ep_size=ep_size, sequence_parallel=parallel.sequence_parallel)
+        if parallel.tp_plan != "auto":
+            plan = override(plan, parallel.tp_plan, model, mesh.size())
+    else:
+        plan = {}
+    if ep_size and ep_size > 1:  # whole experts wherever the plan leaves them (transformers' ep_size beside a
+        # tp_plan, e.g. DistributedConfig(enable_expert_parallel=True) -> ep_size=tp_size, tp_plan={})
+        plan.update(_experts_left(model, plan, ep_size))
+    if parallel.loss_parallel:
+        head = output_embedding_name(model)
+        plan[head] = loss_parallel_head(model, plan.get(head), head)
+    if parallel.ep_dispatch is not None:
+        plan = {n: ExpertParallel(input_layout=s.input_layout, dispatch=parallel.ep_dispatch)
+                if isinstance(s, ExpertParallel) else s for n, s in plan.items()}
+    if layout.plain_below_fsdp():  # nothing to split over one rank: the experts' ExpertParallel alone
+        plan = {n: s for n, s in plan.items() if isinstance(s, ExpertParallel)}
+    return plan
+
+
+def _experts_left(model: nn.Module, plan: dict[str, ParallelStyle], ep_size: int) -> dict[str, ParallelStyle]:
+    """ExpertParallel for each GroupedExperts ``plan`` names nowhere; one it gives another style is refused (the
+    ``ep_size`` asked for would not reach it)."""
+    out = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, GroupedExperts):
+            continue
+        style = plan.get(name) or next((s for p, s in plan.items() if "*" in p and matches(name, p)), None)
+        if style is None:
+            out[name] = ExpertParallel()
+        elif not isinstance(style, ExpertParallel):
+            raise ValueError(f"ep_size={ep_size} with tp_plan giving {name} {style!r}: expert parallelism needs "
+                             f"ExpertParallel (or no entry) for the experts; drop ep_size or that entry")
+    return out
+
+
+def experts_split_over(plan: dict[str, ParallelStyle], layout: Layout) -> int:
+    """The ranks the experts of a model placed by ``plan`` on ``layout`` are split over: an ``(ep, tp)`` mesh's ep
+    size, the TP size where the plan gives them ``ExpertParallel`` on the TP mesh, else 1."""
+    if layout.ep is not None:
+        return layout.ep["ep"].size()
+    return layout.tp.size() if any(isinstance(s, ExpertParallel) for s in plan.values()) else 1
+
+
 def loss_parallel_head(model: nn.Module, style: ParallelStyle | None, head: str | None) -> LocalColwiseParallel:
     """``style`` (the output projection's) made to keep the logits split in training (``loss_parallel``); it must
     be a gathering :class:`LocalColwiseParallel`."""
-    if not (isinstance(style, LocalColwiseParallel) and style.output_layouts[0] == Replicate()):
+    if not gathers_output(style, model.get_submodule(head) if head else None):
         why = "tied to the input embeddings or its vocabulary does not divide" if style is None else f"is {style!r}"
         raise ValueError(f"loss_parallel=True needs the output projection ({head}) split over the vocabulary by a "
                          f"gathering LocalColwiseParallel, but in this plan it {why}; load without loss_parallel")
@@ -298,33 +349,8 @@ def described(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, str
 
     found: dict[str, set[str]] = {}
     for name, module in model.named_modules():
-        style = _style_for(name, plan)
-        entries: dict[str, str] = {}
-        if isinstance(style, TensorParallel):
-            for param, p in module.named_parameters(recurse=False):
-                placement = expert_placements(module).get(param)
-                if placement is None or shard_dim(placement, p.dim()) is None:
-                    continue
-                if is_strided_shard(placement):
-                    entries[f"{name}.{param}"] = "packed_colwise"
-                else:
-                    inputs = 1 if module.is_transposed else 2
-                    entries[f"{name}.{param}"] = "rowwise" if shard_dim(placement, p.dim()) == inputs else "colwise"
-        elif isinstance(style, ExpertParallel):
-            entries = {f"{name}.{param}": "grouped_gemm" for param, _ in module.named_parameters(recurse=False)}
-            entries[name] = "ep_dispatch_experts"
-        elif isinstance(style, VocabParallelEmbedding):
-            entries[name] = "embedding_rowwise"
-        elif isinstance(style, MlaKvAProj):
-            entries[name] = "mla_kv_a_proj"
-        elif isinstance(style, ColwiseParallel):
-            entries[name] = "colwise"
-        elif isinstance(style, RowwiseParallel):
-            entries[name] = "rowwise"
-        elif isinstance(style, LocalParams) and style.placements:
-            entries[name] = "local_params"
-        elif type(style) is LocalParams and style.sum_grads:
-            entries[name] = "replicated_with_grad_allreduce"
+        entries = {f"{name}.{key}" if key else name: value
+                   for key, value in transformers_names(_style_for(name, plan), module).items()}
         for key, value in entries.items():
             found.setdefault(re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), key), set()).add(value)
     return {key: values.pop() for key, values in found.items() if len(values) == 1}

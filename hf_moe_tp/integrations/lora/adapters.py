@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from ..._compat import is_strided_shard, strided_shard
 from ...parallel.boxes import shard_dim
 from ...parallel.model_state import style_of
+from ...parallel.style_facts import experts_split_by
 from ...parallel.styles import (
     _SumGradOverMesh,
     swap_back,
@@ -47,7 +48,7 @@ def shard_adapter(layer: nn.Module, adapter: str, config: Any, name: str = "") -
     weight = base.weight
     if (style is None and not below_fsdp(weight, where)) or not isinstance(weight, DTensor):
         raise UnsupportedLoraError(f"LoRA on {where}: its base layer was not parallelized by hf_moe_tp's plan")
-    placement = _Placement(style, where, weight.device_mesh)
+    placement = _Placement(style, where, weight.device_mesh, module=base)
     a, b = _draw_whole(layer, adapter, config, base.in_features, base.out_features)
     layer.in_features, layer.out_features = base.in_features, base.out_features  # later adapters: whole shapes
     _distribute(a, placement, placement.a)
@@ -104,8 +105,6 @@ def _shard_expert_adapter(layer: nn.Module, adapter: str, where: str) -> None:
     the replicated factor's gradient (a partial sum over the ranks' hidden slices) is summed. Under ExpertParallel:
     split by experts (:func:`_place_by_experts`). PEFT folds ``W + B @ A`` per expert into the weight for the experts'
     forward; here that runs on this rank's shard of the weight and the local factors."""
-    from ...parallel.expert_parallel import ExpertParallel
-
     base = layer.get_base_layer()
     weight = layer.get_param()
     if layer.parameter_name not in EXPERT_WEIGHTS or not isinstance(weight, DTensor):
@@ -115,7 +114,7 @@ def _shard_expert_adapter(layer: nn.Module, adapter: str, where: str) -> None:
     if a.weight.device.type == "meta":
         raise UnsupportedLoraError("LoRA adapters made on the meta device (low_cpu_mem_usage=True) on the "
                                    "tensor-parallel model: create them with low_cpu_mem_usage=False")
-    if type(style_of(base)) is ExpertParallel:
+    if experts_split_by(style_of(base), base) == "experts":
         local_of = _place_by_experts(layer, adapter, weight, where)
     else:
         tp_dim = _tp_dim(weight.device_mesh, where)

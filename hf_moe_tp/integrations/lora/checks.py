@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ...parallel.meshes import DP_REPLICATE_NAMES, DP_SHARD_NAMES
 from ...parallel.model_state import style_of
+from ...parallel.style_facts import experts_split_by
 
 # init_lora_weights values drawn without reading the base weights: PEFT's own draws, at the whole shapes
 SUPPORTED_INITS = (True, False, "gaussian")
@@ -49,9 +50,7 @@ def _check_target_parameter(target: str, model: nn.Module) -> None:
     """A ``target_parameters`` entry must name only GroupedExperts weights (``gate_up_proj``, ...) that
     ``TensorParallel`` or ``ExpertParallel`` splits; PEFT matches a parameter whose dotted name ends with the
     entry."""
-    from ...parallel.expert_parallel import ExpertParallel
     from ...parallel.experts import GroupedExperts
-    from ...parallel.styles import TensorParallel
 
     hits = [(name.replace(".base_layer", ""), module) for name, module in model.named_modules()
             for pname, _ in module.named_parameters(recurse=False)
@@ -67,14 +66,14 @@ def _check_target_parameter(target: str, model: nn.Module) -> None:
               "ungated) and down_proj, e.g. target_parameters=['mlp.experts.gate_up_proj', "
               "'mlp.experts.down_proj'], not on routers or other layers' parameters")
     styles = {name: style_of(module) for name, module in hits}
-    unsplit = [name for name, module in hits if type(styles[name]) not in (TensorParallel, ExpertParallel)
+    unsplit = [name for name, module in hits if experts_split_by(styles[name], module) is None
                and not below_fsdp(module.down_proj, name)]
     if unsplit:
         raise UnsupportedLoraError(f"LoraConfig target_parameters {target!r}: the experts {unsplit[0]} run "
                                    f"{styles[unsplit[0]]!r}; LoRA on experts is supported under TensorParallel and "
                                    "ExpertParallel")
     for name, module in hits:
-        if type(styles[name]) is ExpertParallel:
+        if experts_split_by(styles[name], module) == "experts":
             _check_expert_parallel(target, name, module, model)
 
 
