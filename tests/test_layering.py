@@ -166,3 +166,14 @@ def test_the_style_branch_check_sees_each_form():
     tree = ast.parse("isinstance(s, TensorParallel)\ntype(s) is NoParallel\ntype(s) in (a.ColwiseParallel, b)\n"
                      "isinstance(s, DTensor)\n")
     assert _style_branches(tree, {"TensorParallel", "NoParallel", "ColwiseParallel"}) == [1, 2, 3]
+
+
+def test_layout_is_not_written_after_it_is_built():
+    """A Layout is built once: its fields cannot be assigned (a layout that gains FSDP2 is a new one)."""
+    import dataclasses
+
+    from hf_moe_tp.parallel.meshes import Layout
+
+    assert Layout.__dataclass_params__.frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Layout(tp=None).dp = None

@@ -54,8 +54,9 @@ def test_readme_script_runs(tiny, tmp_path, script):
 
     done = _torchrun(script, tiny, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    if script == "inference":  # rank 0 prints the prompt and 16 more words
-        assert len(done.stdout.split()) >= 16, done.stdout
+    if script == "inference":  # rank 0 alone prints the prompt (5 words unknown to this tokenizer) and more
+        lines = done.stdout.strip().splitlines()
+        assert len(lines) == 1 and len(lines[0].split()) > 5, done.stdout
     elif script == "training":  # hub files plain transformers loads
         from transformers import AutoModelForCausalLM
 

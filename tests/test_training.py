@@ -3,6 +3,7 @@ batch (AdamW with gradient clipping, fp32: loss and total norm within 1e-5 per s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -501,7 +502,7 @@ def _users_own_fully_shard(path: str, infer_first: bool = False) -> dict:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=not (infer_first and layer is model.model.layers[-1]))
     fully_shard(model, mesh=mesh["dp"])
-    model.hf_moe_tp.layout.dp = mesh["dp"]  # for data_parallel_rank below
+    model.hf_moe_tp.layout = dataclasses.replace(model.hf_moe_tp.layout, dp=mesh["dp"])  # for data_parallel_rank
     data = batches(model.config.vocab_size)
     if infer_first:
         with torch.no_grad():

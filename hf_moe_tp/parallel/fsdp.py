@@ -17,6 +17,7 @@ their gradients, which sum every ep rank's tokens, are divided by the ep size as
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Iterator
@@ -108,7 +109,7 @@ def shard_data_parallel(
     setattr(model, MODEL_FSDP_MANAGED, True)  # transformers' generate then keeps the data-parallel ranks in step
     state = placed(model)
     if state is not None:  # placed by a plan first, as from_pretrained does
-        state.layout.dp, state.layout.expert_dp = dp_mesh, expert_mesh
+        state.layout = dataclasses.replace(state.layout, dp=dp_mesh, expert_dp=expert_mesh)
     return model
 
 

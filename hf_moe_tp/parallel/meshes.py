@@ -64,12 +64,13 @@ def data_parallel_mesh(device_mesh: DeviceMesh) -> DeviceMesh | None:
     return device_mesh[dims[0]] if len(dims) == 1 else device_mesh[dims]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Layout:
-    """The meshes one model uses: ``tp`` (1-D) for attention and dense layers; ``ep`` (2-D ``(ep, tp)``) for
-    experts when they are split over ranks holding different batches; ``dp`` (1-D, or 2-D for HSDP) for FSDP2;
-    ``expert_dp`` (``efsdp``, or 2-D ``(dp_replicate, efsdp)``) for the experts' FSDP2 where ``ep`` is smaller
-    than the data-parallel world: the ranks holding the same experts, which FSDP2 shards them over."""
+    """The meshes one model uses, built once and never changed (a layout that gains FSDP2 is a new one): ``tp``
+    (1-D) for attention and dense layers; ``ep`` (2-D ``(ep, tp)``) for experts when they are split over ranks
+    holding different batches; ``dp`` (1-D, or 2-D for HSDP) for FSDP2; ``expert_dp`` (``efsdp``, or 2-D
+    ``(dp_replicate, efsdp)``) for the experts' FSDP2 where ``ep`` is smaller than the data-parallel world: the ranks
+    holding the same experts, which FSDP2 shards them over."""
 
     tp: DeviceMesh
     ep: DeviceMesh | None = None
