@@ -43,3 +43,40 @@ def test_install_and_uninstall_go_through_it():
     finally:
         hf_moe_tp.uninstall()
     assert changes.made("install") == [] and changes.made("integrations") == []
+
+
+def test_bind_and_lend_change_one_object():
+    """bind gives one object a method (its class untouched, a deep copy bound to itself); lend sets an attribute
+    for a with block, then puts back the object's own value or removes what it only inherited."""
+    import copy
+
+    class Other:  # another library's class
+        name = "class"
+
+        def greet(self):
+            return "theirs"
+
+    one, two = Other(), Other()
+    original = changes.bind(one, "greet", lambda self: f"ours on {id(self) == id(one)}")
+    assert original() == "theirs" and one.greet() == "ours on True" and two.greet() == "theirs"
+    assert copy.deepcopy(one).greet() == "ours on False" and Other.greet(one) == "theirs"
+    with changes.lend(two, "name", "lent"):
+        assert two.name == "lent" and Other.name == "class"
+    assert two.name == "class" and "name" not in vars(two)
+    two.name = "own"
+    with changes.lend(two, "name", "lent"):
+        assert two.name == "lent"
+    assert two.name == "own"
+
+
+def test_methods_are_bound_on_other_objects_only_through_bind():
+    """types.MethodType appears in runtime/changes.py alone: every method hf_moe_tp gives another library's object
+    goes through changes.bind."""
+    import ast
+    from pathlib import Path
+
+    package = Path(changes.__file__).parents[1]
+    found = [str(path.relative_to(package)) for path in package.rglob("*.py")
+             if any(isinstance(n, ast.Attribute) and n.attr == "MethodType" for n in ast.walk(ast.parse(
+                 path.read_text())))]
+    assert found == ["runtime/changes.py"], found

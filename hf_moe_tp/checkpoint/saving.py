@@ -33,7 +33,6 @@ import re
 import shutil
 import tempfile
 import time
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +50,7 @@ from .._compat import MODEL_IGNORE_ON_SAVE, MODEL_WEIGHT_CONVERSIONS, from_confi
 from ..parallel.boxes import pieces, shard_dim
 from ..parallel.experts import GroupedExperts
 from ..runtime.agreement import RanksFailed, agree, rank
+from ..runtime.changes import bind
 from .conversions import model_keys, parameter_sources
 from .files import DCP_FILE, INDEX_FILE, SINGLE_FILE, ST_DTYPES
 from .quantized import SCALE_SUFFIX, kept_scales, scale_sources
@@ -152,7 +152,7 @@ def bind_save_pretrained(model: nn.Module) -> None:
     """Make ``model.save_pretrained(save_directory, ...)``, as user code and transformers' Trainer call it, run
     :func:`save_pretrained` (every rank takes part, rank 0 writes the hub files). transformers' own method would
     write GroupedExperts' parameters under their own names; its arguments are honoured or refused by name."""
-    model.save_pretrained = types.MethodType(_save_pretrained_method, model)
+    bind(model, "save_pretrained", _save_pretrained_method)
 
 
 # transformers' save_pretrained arguments and the one value each may take here (distributed_checkpoint: either)

@@ -60,6 +60,7 @@ from ..parallel.expert_balance import routing_balance, tokens_per_expert
 from ..parallel.loss import loss_only
 from ..parallel.model_state import placed
 from ..runtime import changes
+from ..runtime.changes import lend
 from .switch import GROUP
 
 TRAINER_MODULE = "transformers.trainer"
@@ -275,11 +276,9 @@ def _gather_once_per_tp_group(trainer: Any, model: nn.Module) -> Callable | None
 
     @functools.wraps(gather_for_metrics)
     def once_per_tp_group(input_data: Any, use_gather_object: bool = False) -> Any:
-        accelerator.gather = leaders_only  # for this call only: gather_for_metrics trims the last batch after it
-        try:
+        # for this call only: gather_for_metrics trims the last batch after it
+        with lend(accelerator, "gather", leaders_only):
             return gather_for_metrics(input_data, use_gather_object)
-        finally:
-            del accelerator.gather
 
     return once_per_tp_group
 

@@ -25,12 +25,12 @@ from __future__ import annotations
 import copy
 import functools
 import os
-import types
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..runtime.changes import bind
 from .meshes import Layout
 
 CPU_MEMORY_PERCENT, ACCELERATOR_MEMORY_PERCENT = 0.6, 0.8  # transformers' defaults (lower on CPU: shared with RAM)
@@ -61,7 +61,7 @@ def bind_continuous_batching(model: nn.Module, layout: Layout, world: int) -> No
 
     # A bound method, not a closure over ``model``: copy.deepcopy (a reference model) rebinds it to the copy.
     functools.update_wrapper(shared, init)
-    model.init_continuous_batching = types.MethodType(shared, model)
+    bind(model, "init_continuous_batching", shared)
 
 
 def share_memory(config: Any, generation_config: Any, device: torch.device, ranks: int) -> Any:
@@ -102,4 +102,4 @@ def _refuse(model: nn.Module, layout: str, why: str = "its ranks hold different 
             f"{layout}: {why}; load it with tp_size (and ep_size over the TP ranks) only, or use "
             "model.generate(...), which is exact at every layout")
 
-    model.init_continuous_batching = types.MethodType(refused, model)
+    bind(model, "init_continuous_batching", refused)

@@ -18,7 +18,6 @@ Inference forwards draw nothing and pay nothing.
 from __future__ import annotations
 
 import functools
-import types
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..runtime.changes import bind
 from .meshes import mesh_device
 
 
@@ -89,4 +89,4 @@ def generate_on_leader_state(model: nn.Module, mesh: DeviceMesh) -> None:
 
     # A bound method, not a closure over ``model``: copy.deepcopy (a reference model) rebinds it to the copy.
     functools.update_wrapper(wrapped, generate)
-    model.generate = types.MethodType(wrapped, model)
+    bind(model, "generate", wrapped)

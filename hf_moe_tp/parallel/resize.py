@@ -15,8 +15,6 @@ at load.
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -24,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from .._compat import MODEL_RESIZED_EMBEDDINGS, MODEL_RESIZED_HEAD, drop_forward_hooks, fsdp_replace_param
+from ..runtime.changes import bind
 from .model_state import STYLE, placed
 from .style_facts import param_placements
 from .styles import LocalParams
@@ -33,7 +32,7 @@ OURS = ("hf_moe_tp.", "torch.distributed.tensor.")  # modules whose forward hook
 
 def bind_resize(model: nn.Module) -> None:
     """Make ``model.resize_token_embeddings(...)`` run :func:`resize_token_embeddings`."""
-    model.resize_token_embeddings = types.MethodType(resize_token_embeddings, model)
+    bind(model, "resize_token_embeddings", resize_token_embeddings)
 
 
 def resize_token_embeddings(model: nn.Module, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,

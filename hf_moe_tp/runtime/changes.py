@@ -7,13 +7,19 @@ from accelerate, PEFT and the Trainer: :mod:`hf_moe_tp.integrations.switch`), ``
 ``from_pretrained`` routed to us: :mod:`hf_moe_tp.integrations.install`) and ``"models"`` (what models already
 placed rely on while they live: DTensor's DCP hooks for packed shards, the optimizer-step hook of the expert-bias
 rule; :func:`hf_moe_tp.uninstall` leaves these, since undoing them under a live model would save or load it
-wrongly). :func:`undo` takes a group's changes back, newest first. Nothing else in hf_moe_tp changes another
-library; our own models' methods bound on the instance (``save_pretrained``, ``generate``, ...) go with the model.
+wrongly). :func:`undo` takes a group's changes back, newest first.
+
+A change to one object of another library (a loaded model's ``save_pretrained`` or ``generate``, a PEFT model's
+tuner, the accelerator of one Trainer) goes with that object and needs no undo: :func:`bind` gives it a method of
+ours, :func:`lend` an attribute for the length of a ``with`` block. Nothing else in hf_moe_tp changes another
+library's classes, modules or objects.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import types
+from collections.abc import Callable, Iterator
 from typing import Any
 
 MODELS = "models"  # the changes models already placed rely on: never undone by uninstall()
@@ -54,3 +60,26 @@ def undo(group: str) -> None:
 def made(group: str) -> list[str]:
     """What ``group`` has changed now, oldest first (empty: nothing, or undone)."""
     return [what for what, _ in _made.get(group, [])]
+
+
+def bind(instance: Any, name: str, function: Callable[..., Any]) -> Any:
+    """Give one object ``function`` as its method ``name`` (called as ``function(instance, ...)``; a deep copy of
+    the object gets it bound to the copy) and return what ``instance.name`` was. No class changes."""
+    original = getattr(instance, name, None)
+    setattr(instance, name, types.MethodType(function, instance))
+    return original
+
+
+@contextlib.contextmanager
+def lend(instance: Any, name: str, value: Any) -> Iterator[None]:
+    """Set ``instance.name`` to ``value`` inside the ``with`` block, then put back what the object itself held
+    (removing the attribute where it only inherited it)."""
+    own = vars(instance).get(name, _MISSING)
+    setattr(instance, name, value)
+    try:
+        yield
+    finally:
+        if own is _MISSING:
+            delattr(instance, name)
+        else:
+            setattr(instance, name, own)

@@ -15,7 +15,6 @@ import itertools
 import logging
 import re
 import time
-import types
 from datetime import timedelta
 from typing import Any
 
@@ -25,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import default_store, set_group_timeout
+from .changes import bind
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def explain_collective_failures(model: nn.Module, meshes: list[DeviceMesh | None
     # A bound method, not a closure over ``model``: copy.deepcopy rebinds it to the copy; signature() sees
     # the model's own arguments through ``__wrapped__``.
     functools.update_wrapper(checked_forward, forward)
-    model.forward = types.MethodType(checked_forward, model)
+    bind(model, "forward", checked_forward)
 
 
 def _explained(error: RuntimeError, ranks: list[int], waited_s: float | None, timeout_s: float | None

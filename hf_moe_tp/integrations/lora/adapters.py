@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import math
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +21,7 @@ from ...parallel.styles import (
     swap_back,
     swap_in,
 )
+from ...runtime.changes import bind
 from .checks import EXPERT_WEIGHTS, UnsupportedLoraError, _ep_dim, _tp_dim, below_fsdp
 from .placement import _distribute, _draw_whole, _MeanGradOver, _Placement
 
@@ -55,7 +55,7 @@ def shard_adapter(layer: nn.Module, adapter: str, config: Any, name: str = "") -
     _distribute(b, placement, placement.b)
     placement.hook(layer, adapter, a, b)
     if "get_delta_weight" not in vars(layer):
-        layer.get_delta_weight = types.MethodType(_delta_like_base, layer)
+        bind(layer, "get_delta_weight", _delta_like_base)
 
 
 def _delta_like_base(layer: nn.Module, adapter: str) -> torch.Tensor:
@@ -139,7 +139,7 @@ def _shard_expert_adapter(layer: nn.Module, adapter: str, where: str) -> None:
         layer._hf_moe_tp_local = True
         _expert_adapters_local(layer, local_of)
     if "get_delta_weight" not in vars(layer):
-        layer.get_delta_weight = types.MethodType(_delta_like_base, layer)
+        bind(layer, "get_delta_weight", _delta_like_base)
 
 
 def _place_by_experts(layer: nn.Module, adapter: str, weight: DTensor, where: str

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import types
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from ...checkpoint.saving import agree_saved
 from ...runtime.agreement import rank
+from ...runtime.changes import bind
 from .checks import UnsupportedLoraError
 
 _ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector",
@@ -24,7 +24,7 @@ _ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "l
 def _bind_save(peft_model: nn.Module) -> None:
     """Give ``peft_model`` a ``save_pretrained`` that every rank calls: the adapters gathered whole, PEFT's files
     written once by rank 0."""
-    peft_model.save_pretrained = types.MethodType(save_adapters, peft_model)
+    bind(peft_model, "save_pretrained", save_adapters)
 
 
 def save_adapters(peft_model: nn.Module, save_directory: str | os.PathLike, **kwargs: Any) -> None:

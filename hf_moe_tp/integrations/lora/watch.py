@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -18,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from ..._compat import LORA_CHECK, LORA_CREATE, LORA_UNLOAD, PEFT_DEVICE_MESH, PEFT_TP_PLAN
 from ...parallel.model_state import placed
 from ...runtime import changes
+from ...runtime.changes import bind
 from ..switch import GROUP
 from .adapters import shard_adapter
 from .checks import UnsupportedLoraError, check_config
@@ -87,10 +87,10 @@ def _follow_tuner(tuner: nn.Module) -> None:
         shard_adapter(layer, bound.arguments["adapter_name"], bound.arguments["lora_config"],
                       name=bound.arguments.get("current_key") or "")
 
-    setattr(tuner, LORA_CHECK, types.MethodType(check_new_adapter_config, tuner))
-    setattr(tuner, LORA_CREATE, types.MethodType(create_and_replace, tuner))
+    bind(tuner, LORA_CHECK, check_new_adapter_config)
+    bind(tuner, LORA_CREATE, create_and_replace)
     for method in (LORA_UNLOAD, "merge_adapter", "unmerge_adapter"):
-        setattr(tuner, method, types.MethodType(_resharded_first(getattr(LoraModel, method)), tuner))
+        bind(tuner, method, _resharded_first(getattr(LoraModel, method)))
 
 
 def _resharded_first(method: Callable) -> Callable:
