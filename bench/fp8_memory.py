@@ -24,9 +24,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import DeepseekV3Config
 
 from hf_moe_tp.checkpoint import TensorInfo
+from hf_moe_tp.checkpoint.assembly import transformers_keys
 from hf_moe_tp.checkpoint.fp8 import keep_fp8_weights, place_scales
 from hf_moe_tp.checkpoint.quantized import CheckpointView, Fp8Weight, Quantization
-from hf_moe_tp.checkpoint.saving import _transformers_keys
 from hf_moe_tp.parallel import plans
 from hf_moe_tp.parallel.boxes import shard_dim
 from model_patches import meta_model
@@ -39,7 +39,7 @@ def hub_fp8_view(model) -> CheckpointView:
     """The headers of the hub's FP8 checkpoint of ``model``'s config, as :func:`checkpoint_view` would see them."""
     file = Path("model.safetensors")
     tensors, stored, headers = {}, {}, {}
-    for key, shape in _transformers_keys(model)[0].items():
+    for key, shape in transformers_keys(model)[0].items():
         headers[key] = tensors[key] = TensorInfo(file, shape, "BF16")
         if key.endswith(".weight") and len(shape) == 2 and ".layers." in key and not UNQUANTIZED.search(key):
             grid = tuple(-(-n // b) for n, b in zip(shape, BLOCK, strict=True))

@@ -46,10 +46,10 @@ def bench_rank(path: str, dtype_name: str, repeats: int, scratch: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     import hf_moe_tp
-    from hf_moe_tp.checkpoint.saving import _plan
+    from hf_moe_tp.checkpoint.assembly import save_plan
 
     model = hf_moe_tp.from_pretrained(path, fsdp_size=2, dtype=getattr(torch, dtype_name))
-    entries, _ = _plan(model)
+    entries, _ = save_plan(model)
     largest = max(torch.Size(e.shape).numel() * e.dtype.itemsize for e in entries.values())
     total = sum(torch.Size(e.shape).numel() * e.dtype.itemsize for e in entries.values())
     world = dist.get_world_size()

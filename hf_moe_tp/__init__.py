@@ -28,7 +28,7 @@ _EXPORTS = {
     "NoParallel": "parallel.styles",
     "ParallelConfig": "parallel.config",
     "RankError": "runtime.launch",
-    "SaveError": "checkpoint.saving",
+    "SaveError": "checkpoint.save_folder",
     "StreamError": "checkpoint.streaming",
     "TensorParallel": "parallel.styles",
     "UnsupportedLoraError": "integrations.lora.checks",
@@ -96,7 +96,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .checkpoint.files import CheckpointError
     from .checkpoint.loading import LoadReport, load_checkpoint
-    from .checkpoint.saving import SaveError, save_pretrained
+    from .checkpoint.save_folder import SaveError
+    from .checkpoint.saving import save_pretrained
     from .checkpoint.streaming import StreamError, named_weights, stream_weights
     from .integrations.install import install, uninstall
     from .integrations.lora.checks import UnsupportedLoraError

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .parallel.meshes import Layout
+    from .parallel.layout import Layout
 
 
 @dataclass(frozen=True)

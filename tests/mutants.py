@@ -40,8 +40,8 @@ class Mutant:
 MUTANTS = (
     Mutant("stream-stale", "named_weights serves the first stream's tensors again after the weights change",
            "hf_moe_tp/checkpoint/streaming.py",
-           (("            assembled, failed = _assemble(entry, keep=me == leader and error is None)\n",
-             "            assembled, failed = _STALE.get(key) or _assemble(entry, keep=me == leader and error is None)"
+           (("            assembled, failed = assemble(entry, keep=me == leader and error is None)\n",
+             "            assembled, failed = _STALE.get(key) or assemble(entry, keep=me == leader and error is None)"
              "\n"
              "            _STALE[key] = (assembled, failed)\n"),
             ("class StreamError(RanksFailed):", "_STALE: dict = {}\n\n\nclass StreamError(RanksFailed):")),
@@ -49,8 +49,8 @@ MUTANTS = (
            r"AssertionError: \{0: \[\], 'to_last 0': \[\], 1: \['"),
     Mutant("stream-no-send", "to=<a rank>: the leader skips the send, the receiver keeps zeros",
            "hf_moe_tp/checkpoint/streaming.py",
-           (("    elif me == leader:\n        dist.send(_wire(moved), dst=to)\n    else:\n"
-             "        dist.recv(_wire(moved), src=leader)\n",
+           (("    elif me == leader:\n        dist.send(wire(moved), dst=to)\n    else:\n"
+             "        dist.recv(wire(moved), src=leader)\n",
              "    elif me != leader:\n        moved.zero_()\n"),),
            ("tests/test_streaming.py::test_named_weights_are_what_save_pretrained_writes[tp2]",
             "tests/test_streaming.py::test_streamed_into_an_engine_outside_the_job"),

@@ -276,7 +276,7 @@ def _save_error(path: str, out: str) -> str:
     model = hf_moe_tp.from_pretrained(path, keep_quantized=True)
     try:
         hf_moe_tp.save_pretrained(model, out)
-    except hf_moe_tp.checkpoint.saving.SaveError as e:
+    except hf_moe_tp.SaveError as e:
         return str(e)
     return "saved"
 

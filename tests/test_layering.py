@@ -172,7 +172,7 @@ def test_layout_is_not_written_after_it_is_built():
     """A Layout is built once: its fields cannot be assigned (a layout that gains FSDP2 is a new one)."""
     import dataclasses
 
-    from hf_moe_tp.parallel.meshes import Layout
+    from hf_moe_tp.parallel.layout import Layout
 
     assert Layout.__dataclass_params__.frozen
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -22,7 +22,7 @@ from hf_moe_tp.integrations.hf_arguments import resolve
 from hf_moe_tp.integrations.install import parallel_config
 from hf_moe_tp.options import OPTIONS, LoadOptions
 from hf_moe_tp.parallel import plans
-from hf_moe_tp.parallel.meshes import Layout
+from hf_moe_tp.parallel.layout import Layout
 
 
 @pytest.fixture(scope="module")

@@ -101,7 +101,7 @@ def _failing_saves(src: str, root: str, read_only: str) -> dict[str, str | None]
         try:
             hf_moe_tp.save_pretrained(model, out, max_shard_size="20KB")
             messages[case] = None
-        except saving.SaveError as e:
+        except hf_moe_tp.SaveError as e:
             messages[case] = str(e)
 
     attempt("out_dir_is_file", root / "a_file")

@@ -31,7 +31,7 @@ from ..parallel.boxes import strided
 from ..runtime.agreement import rank
 from .files import DCP_FILE
 from .quantized import kept_scales
-from .saving import SaveError, SaveReport, agree_saved, remove_weight_files, start_save
+from .save_folder import SaveError, SaveReport, agree_saved, remove_weight_files, start_save
 
 
 def save_distributed(model: nn.Module, out_dir: str | os.PathLike) -> SaveReport:

@@ -2,7 +2,7 @@
 writes them, from any layout: what an RL trainer pushes into an inference engine after each update (vLLM's
 ``load_weights`` and SGLang's ``update_weights`` take ``(name, tensor)`` pairs in checkpoint names).
 
-The save's own plan and gathers (:mod:`hf_moe_tp.checkpoint.saving`): the keys, order and shapes transformers would
+The save's own plan and gathers (:mod:`hf_moe_tp.checkpoint.assembly`): the keys, order and shapes transformers would
 write, each tensor assembled on the model's first rank from the pieces every rank holds (an expert parameter one
 expert at a time). For ``to="all"`` the first rank then broadcasts it down the model's mesh, one mesh dimension after
 another over the groups the mesh already has (no new process group); for ``to=rank`` it sends it to that rank. So a
@@ -27,9 +27,9 @@ from torch import nn
 from .._compat import root_mesh
 from ..parallel.model_state import placed
 from ..runtime.agreement import RanksFailed, agree, rank
+from .assembly import assemble, save_plan, wire
 from .engine_slices import engine_placements, slice_of
 from .quantized import SCALE_SUFFIX, fp8_to_float32, quantization_of, scale_values
-from .saving import _assemble, _plan, _wire
 
 
 class StreamError(RanksFailed):
@@ -71,7 +71,7 @@ def named_weights(model: nn.Module, *, to: int | str = "all", dequantize: torch.
         raise ValueError(f"to={to!r}: 'all' or a global rank of the model ({ranks})")
     leader = 0 if 0 in ranks else ranks[0]  # where the save's gathers assemble each tensor
     receives = to == "all" or me == to
-    entries, _ = _plan(model)
+    entries, _ = save_plan(model)
     placements = _engine_placements(model, entries, tp_slice, dequantize)
     quantization = quantization_of(model.config) if dequantize is not None else None
     block = quantization.block if quantization is not None else None
@@ -79,7 +79,7 @@ def named_weights(model: nn.Module, *, to: int | str = "all", dequantize: torch.
     error: tuple[str, BaseException] | None = None
     with torch.no_grad():
         for key, entry in entries.items():
-            assembled, failed = _assemble(entry, keep=me == leader and error is None)
+            assembled, failed = assemble(entry, keep=me == leader and error is None)
             if failed is not None and error is None:
                 error = (key, failed)
             tensor = _deliver(model, assembled, entry, leader, to, me, error is None)
@@ -185,9 +185,9 @@ def _deliver(model: nn.Module, tensor: torch.Tensor | None, entry: Any, leader: 
         for dim in range(mesh.ndim):
             # ranks whose coordinates past ``dim`` are 0 hold it from the dimensions before; pass it along ``dim``
             if all(c == 0 for c in coordinate[dim + 1:]) and mesh.size(dim) > 1:
-                dist.broadcast(_wire(moved), group=mesh.get_group(dim), group_src=0)
+                dist.broadcast(wire(moved), group=mesh.get_group(dim), group_src=0)
     elif me == leader:
-        dist.send(_wire(moved), dst=to)
+        dist.send(wire(moved), dst=to)
     else:
-        dist.recv(_wire(moved), src=leader)
+        dist.recv(wire(moved), src=leader)
     return moved.cpu() if moved is not tensor else tensor

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
     from torch.distributed.tensor.parallel import ParallelStyle
 
-    from .meshes import Layout
+    from .layout import Layout
 
 EP_DISPATCH = ("auto", "all_to_all", "all_reduce")
 CP_ATTENTION = ("ulysses", "ring")
@@ -75,7 +75,7 @@ class ParallelConfig:
     training-mode forward with ``labels`` they are not: they stay a DTensor split over the vocabulary
     (``.full_tensor()`` for the whole), saving the all-gather; otherwise (inference, ``generate``, evaluation
     with labels) they are gathered as usual. Refused at a TP size of 1 under FSDP2, where nothing is split over
-    ``tp`` (:meth:`hf_moe_tp.parallel.meshes.Layout.plain_below_fsdp`).
+    ``tp`` (:meth:`hf_moe_tp.parallel.layout.Layout.plain_below_fsdp`).
 
     ``sequence_parallel``: between the layers TP splits (attention, the MLPs and MoE blocks), the residual stream,
     its norms and adds hold 1/tp of the sequence on each rank (:mod:`hf_moe_tp.parallel.sequence_parallel`), with

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..runtime.changes import bind
-from .meshes import Layout
+from .layout import Layout
 
 CPU_MEMORY_PERCENT, ACCELERATOR_MEMORY_PERCENT = 0.6, 0.8  # transformers' defaults (lower on CPU: shared with RAM)
 

@@ -17,7 +17,7 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
-    from .meshes import Layout
+    from .layout import Layout
 
 ATTRIBUTE = "hf_moe_tp"
 STYLE = "_hf_moe_tp_style"  # on each placed module: the style it got (plans.parallelize)

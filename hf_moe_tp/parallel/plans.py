@@ -33,9 +33,9 @@ from .expert_parallel import ExpertParallel
 from .experts import GroupedExperts
 from .fsdp import keep_training_fresh
 from .hf_plan import entries, heads_divide, matches
+from .layout import Layout
 from .linear import LocalColwiseParallel, LocalRowwiseParallel
 from .loss import split_loss
-from .meshes import Layout
 from .model_state import STYLE, family_of, state_of
 from .sequence_parallel import SequenceParallel, backbone_entry, is_region
 from .style_facts import gathers_output, transformers_names

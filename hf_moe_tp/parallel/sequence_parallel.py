@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .fsdp import decoder_layers
+from .style_facts import computes_locally, transformers_names
 from .styles import _check_mesh, _SumGradOverMesh, swap_back, swap_in
 
 # On a row-wise projection that is a region's direct child, while the region runs a split forward: how its partial
@@ -390,11 +391,11 @@ def _summable(t: Any) -> bool:
 
 
 def _reduces_rows(module: nn.Module) -> bool:
-    from .linear import LocalRowwiseParallel
+    """Whether ``module`` is a row-wise layer computed on local tensors (its output sum is where rows split)."""
     from .model_state import style_of
 
     style = style_of(module)
-    return isinstance(style, LocalRowwiseParallel) and style.computes_locally(module)
+    return transformers_names(style, module).get("") == "rowwise" and computes_locally(style, module)
 
 
 class _Comm:
