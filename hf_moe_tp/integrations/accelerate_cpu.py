@@ -17,7 +17,6 @@ from typing import Any
 
 from .._compat import ACCELERATE_VALIDATE
 from ..runtime import changes
-from .switch import GROUP
 
 
 def allow_on_cpu() -> None:
@@ -42,4 +41,4 @@ def allow_on_cpu() -> None:
     def validate_on_cpu(self, accelerator: Any) -> Any:
         return validate(self, OnCpu(accelerator))
 
-    changes.replace(GROUP, ParallelismConfig, ACCELERATE_VALIDATE, validate_on_cpu)
+    changes.replace(changes.INTEGRATIONS, ParallelismConfig, ACCELERATE_VALIDATE, validate_on_cpu)

@@ -31,7 +31,9 @@ from . import experts_interface
 from .hf_arguments import HUB_OPTIONS
 from .switch import disable, enable
 
-GROUP = "install"  # the changes install() makes (hf_moe_tp.runtime.changes)
+GROUP = changes.INSTALL  # the changes install() makes
+
+ONE_LOAD = "for one load"  # marks an install() that ends with the next from_pretrained (install_for_one_load)
 
 # Config attributes that give an MoE model's expert count, across families.
 EXPERT_COUNT_ATTRIBUTES = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -51,6 +53,16 @@ def install() -> None:
                         lambda name=name: unregister_parallel_style(name))
 
 
+def install_for_one_load() -> None:
+    """:func:`install` for the next ``from_pretrained`` call only, then taken back (its own group of changes alone:
+    the integrations stay on), unless it is on already: for a model a library loads on the user's behalf, such as
+    TRL's reference copy of an hf_moe_tp policy. Nothing of it outlasts that call."""
+    if installed():
+        return
+    install()
+    changes.on_undo(GROUP, ONE_LOAD, lambda: None)
+
+
 def uninstall() -> None:
     """Undo :func:`install` and every other change hf_moe_tp made to other libraries (idempotent)."""
     changes.undo(GROUP)
@@ -65,6 +77,13 @@ def installed() -> bool:
 def _wrap(original):
     @functools.wraps(original)
     def from_pretrained(cls, pretrained_model_name_or_path, *args: Any, **kwargs: Any):
+        try:
+            return routed(cls, pretrained_model_name_or_path, *args, **kwargs)
+        finally:
+            if ONE_LOAD in changes.made(GROUP):  # install_for_one_load: this was the load
+                changes.undo(GROUP)
+
+    def routed(cls, pretrained_model_name_or_path, *args: Any, **kwargs: Any):
         plan = _requested_plan(kwargs)
         if plan is None or args:
             return original(cls, pretrained_model_name_or_path, *args, **kwargs)

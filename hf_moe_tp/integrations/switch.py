@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..runtime import changes
 
-GROUP = "integrations"
+GROUP = changes.INTEGRATIONS
 
 
 def enable() -> None:

@@ -61,7 +61,6 @@ from ..parallel.loss import loss_only
 from ..parallel.model_state import placed
 from ..runtime import changes
 from ..runtime.changes import lend
-from .switch import GROUP
 
 TRAINER_MODULE = "transformers.trainer"
 STATE_DIR = "hf_moe_tp_state"  # the DCP checkpoint inside a Trainer checkpoint folder
@@ -136,7 +135,7 @@ def patch_trainer() -> None:
         return
     finder = _AfterImport(TRAINER_MODULE, _patch_trainer)
     sys.meta_path.insert(0, finder)
-    changes.on_undo(GROUP, "an import hook for transformers.trainer",
+    changes.on_undo(changes.INTEGRATIONS, "an import hook for transformers.trainer",
                     lambda: sys.meta_path.remove(finder) if finder in sys.meta_path else None)
 
 
@@ -175,7 +174,7 @@ def _patch_trainer() -> None:
                 return ours(self, original, *args, **kwargs)
             return original(self, *args, **kwargs)
 
-        changes.replace(GROUP, Trainer, name, method)
+        changes.replace(changes.INTEGRATIONS, Trainer, name, method)
 
     def init(trainer: Any, original, model: nn.Module, args: Any = None, *rest: Any, **kwargs: Any) -> None:
         check_gradient_reduction(model)
@@ -210,8 +209,9 @@ def reference_like_policy(args: Any, model: nn.Module) -> None:
     """TRL's RL trainers with a KL term (``beta`` > 0: GRPO, RLOO) load their frozen reference copy of the policy
     themselves, after ``Trainer.__init__``: ``from_pretrained(policy's path, **args.model_init_kwargs)``, whole on
     every rank. Unless the caller chose a layout for it, ask for the policy's (its ``DistributedConfig``, EP
-    included), which transformers' ``from_pretrained`` then hands to hf_moe_tp (:func:`hf_moe_tp.install`): the
-    reference is split like the policy, each rank reading its own slices."""
+    included), which transformers' ``from_pretrained`` then hands to hf_moe_tp (:func:`hf_moe_tp.install` for that
+    one load, then taken back unless the user had installed it): the reference is split like the policy, each
+    rank reading its own slices."""
     if not getattr(args, "beta", 0.0) or not hasattr(args, "model_init_kwargs"):
         return
     kwargs = dict(args.model_init_kwargs or {})
@@ -219,9 +219,9 @@ def reference_like_policy(args: Any, model: nn.Module) -> None:
         return
     config = copy.copy(model.config.distributed_config)  # its ep_size included (hf_moe_tp.parallel.meshes.declare)
     args.model_init_kwargs = {**kwargs, "distributed_config": config}
-    from .install import install
+    from .install import install_for_one_load
 
-    install()
+    install_for_one_load()
 
 
 @functools.cache

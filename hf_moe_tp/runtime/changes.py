@@ -22,6 +22,8 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+INTEGRATIONS = "integrations"  # what our models need from accelerate, PEFT and the Trainer (integrations.switch)
+INSTALL = "install"  # transformers' from_pretrained routed to us (integrations.install)
 MODELS = "models"  # the changes models already placed rely on: never undone by uninstall()
 _MISSING = object()
 _made: dict[str, list[tuple[str, Callable[[], None]]]] = {}  # group -> (what, how to take it back), oldest first

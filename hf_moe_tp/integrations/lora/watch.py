@@ -18,7 +18,6 @@ from ..._compat import LORA_CHECK, LORA_CREATE, LORA_UNLOAD, PEFT_DEVICE_MESH, P
 from ...parallel.model_state import placed
 from ...runtime import changes
 from ...runtime.changes import bind
-from ..switch import GROUP
 from .adapters import shard_adapter
 from .checks import UnsupportedLoraError, check_config
 from .saving import _bind_save
@@ -134,4 +133,4 @@ def watch_peft() -> None:
     """Register :func:`_on_register` as torch's global module-registration hook (once, by
     :func:`hf_moe_tp.integrations.switch.enable`, which takes it back with the other integrations)."""
     hook = torch.nn.modules.module.register_module_module_registration_hook(_on_register)
-    changes.on_undo(GROUP, "torch's module-registration hook", hook.remove)
+    changes.on_undo(changes.INTEGRATIONS, "torch's module-registration hook", hook.remove)
