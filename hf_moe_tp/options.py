@@ -88,13 +88,12 @@ class LoadOptions:
     def check_layout(self, layout: Layout) -> None:
         """Refuse, by name, what these options cannot do on ``layout``: ``keep_quantized`` with FSDP2, ``read_once``
         without replicas."""
-        from .parallel.config import has_replicas
 
         if layout.sharding() is not None and self.keep_quantized:
             raise ValueError("keep_quantized=True with FSDP2 (fsdp_size, dp_replicate_size, cp_size or a "
                              "data-parallel mesh dimension): FP8 weights kept quantized are frozen; load them "
                              "dequantized to train")
-        if self.read_once and not has_replicas(layout):
+        if self.read_once and not layout.has_replicas():
             raise ValueError("read_once=True needs replicas: dp_replicate_size > 1 (HSDP) or a device_mesh with a "
                              "'dp_replicate' dimension larger than 1")
 

@@ -29,7 +29,7 @@ from .integrations.switch import enable
 from .options import OPTIONS, LoadOptions
 from .parallel import plans
 from .parallel.balancing_loss import global_balancing_loss
-from .parallel.config import SETTINGS, ParallelConfig, has_replicas
+from .parallel.config import SETTINGS, ParallelConfig
 from .parallel.context_parallel import apply_context_parallel
 from .parallel.continuous_batching import bind_continuous_batching
 from .parallel.expert_balance import balance_experts
@@ -74,8 +74,8 @@ def from_pretrained(
     ``DistributedConfig`` or accelerate's ``ParallelismConfig`` too); given with any of its fields as keywords, it is
     refused naming each.
 
-    The steps, each a function of this module: :func:`resolve_arguments`, :func:`make_layout`,
-    :func:`build_meta_model`, :func:`hf_moe_tp.parallel.plans.make_plan`, :func:`place`, :func:`read`, :func:`wrap`.
+    The steps: :func:`resolve_arguments`, :func:`make_layout`, :func:`build_meta_model`,
+    :func:`hf_moe_tp.parallel.plans.make_plan`, :func:`place`, :func:`read`, :func:`add_behaviours`.
 
     With FSDP2, the model takes its final layout on the meta device (plan, then ``fully_shard``) before any byte
     is read, and each rank reads exactly the box of each parameter it holds: FSDP's shard of its TP shard.
@@ -116,7 +116,7 @@ def from_pretrained(
         plan = plans.make_plan(model, parallel, layout)
         place(model, plan, layout, parallel, opts, args.path)
         read(model, args, layout, opts, threads=threads, record_reads=record_reads)
-        wrap(model, layout, opts, timeout)
+        add_behaviours(model, layout, opts, timeout)
     except Exception as e:  # noqa: BLE001 - every error is reported on every rank below
         error = e
     agree(error)
@@ -199,7 +199,7 @@ def read(model: nn.Module, args: Resolved, layout: Layout, opts: LoadOptions | N
     """Read this rank's slices of the checkpoint at ``args.path`` into the placed ``model`` (with ``read_once``,
     the first replica reads for the others) and its generation config; the report is ``model.hf_moe_tp.load_report``."""
     opts, replicas = opts or LoadOptions(), None
-    if has_replicas(layout):
+    if layout.has_replicas():
         read_once = opts.read_once
         if read_once is None:  # several nodes: replicas would read through a shared filesystem
             read_once = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) < dist.get_world_size()
@@ -214,7 +214,8 @@ def read(model: nn.Module, args: Resolved, layout: Layout, opts: LoadOptions | N
     return report
 
 
-def wrap(model: nn.Module, layout: Layout, opts: LoadOptions | None = None, timeout: float | None = None) -> None:
+def add_behaviours(model: nn.Module, layout: Layout, opts: LoadOptions | None = None,
+                   timeout: float | None = None) -> None:
     """What a loaded ``model`` does beyond its forward: expert gradients divided under FSDP2, the expert-bias
     update, the balancing term of the global batch, ``save_pretrained``, ``resize_token_embeddings``, continuous
     batching, its layout declared in transformers' terms (for its Trainer, accelerate, continuous batching, PEFT),

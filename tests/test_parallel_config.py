@@ -274,7 +274,7 @@ def test_each_step_alone(world, mixtral):
     report = pretrained.read(model, args, layout, opts)
     assert report is model.hf_moe_tp.load_report and not any(p.is_meta for p in model.parameters())
 
-    pretrained.wrap(model, layout, opts)
+    pretrained.add_behaviours(model, layout, opts)
     reference = AutoModelForCausalLM.from_pretrained(mixtral, experts_implementation="eager").eval()
     whole = hf_moe_tp.from_pretrained(mixtral, parallel_config=parallel, check_inputs="always")
     ids = torch.randint(0, reference.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))

@@ -238,12 +238,6 @@ class ParallelConfig:
                    cp_size=sp if sp > 1 else None)
 
 
-def has_replicas(layout: Layout) -> bool:
-    """Whether ``layout`` is HSDP with more than one replica (a 2-D data-parallel mesh, replicate dimension > 1)."""
-    dp = layout.dp
-    return dp is not None and dp.ndim == 2 and dp.size(0) > 1
-
-
 def _check_world(source: str, sizes: dict[str, int]) -> None:
     """Sizes whose product is not the world size (of the started group, or torchrun's) are refused by name."""
     import torch.distributed as dist

@@ -38,6 +38,17 @@ class Layout:
         """The ranks that take the same batch as this one: its TP group, or its ``cp`` x ``tp`` block."""
         return self.block if self.block is not None else self.tp
 
+    def has_replicas(self) -> bool:
+        """Whether this is HSDP with more than one replica (a 2-D data-parallel mesh, replicate dimension > 1)."""
+        return self.dp is not None and self.dp.ndim == 2 and self.dp.size(0) > 1
+
+    def batch_mesh(self) -> DeviceMesh | None:
+        """The mesh whose ranks hold different batches: the data-parallel mesh, else an ``(ep, tp)`` mesh's ep
+        dimension, else None."""
+        if self.dp is None and self.ep is not None:
+            return self.ep["ep"]
+        return self.dp
+
     def plain_below_fsdp(self) -> bool:
         """Whether this layout splits nothing over ``tp`` (a TP size of 1) and has FSDP2 over its data-parallel
         mesh: then every parameter but whole experts over an ``ep`` dimension stays a plain tensor until FSDP2 makes
