@@ -21,8 +21,10 @@ from transformers import GenerationConfig, PreTrainedModel
 from model_patches import meta_model
 
 from ._compat import MODEL_TP_PLAN
+from .checkpoint.files import Checkpoint
 from .checkpoint.fp8 import keep_fp8_weights, place_scales
 from .checkpoint.loading import LoadReport, load_checkpoint
+from .checkpoint.quantized import checkpoint_view
 from .checkpoint.saving import bind_save_pretrained
 from .integrations.hf_arguments import Resolved, refuse, resolve
 from .integrations.switch import enable
@@ -106,7 +108,7 @@ def from_pretrained(
     if timeout is None and started:
         timeout = DEFAULT_TIMEOUT_S  # our group: its meshes' subgroups get the same bound, not torch's 30 min
     error: BaseException | None = None
-    model = None
+    model = checkpoint = None
     try:
         if refused is not None:
             raise refused
@@ -114,11 +116,15 @@ def from_pretrained(
         layout = make_layout(parallel, opts, device_mesh, timeout)
         model = build_meta_model(args, layout, model_class)
         plan = plans.make_plan(model, parallel, layout)
-        place(model, plan, layout, parallel, opts, args.path)
-        read(model, args, layout, opts, threads=threads, record_reads=record_reads)
+        checkpoint = Checkpoint(args.path, record=record_reads)  # its headers read once, for every step below
+        place(model, plan, layout, parallel, opts, args.path, checkpoint=checkpoint)
+        read(model, args, layout, opts, threads=threads, checkpoint=checkpoint)
         add_behaviours(model, layout, opts, timeout)
     except Exception as e:  # noqa: BLE001 - every error is reported on every rank below
         error = e
+    finally:
+        if checkpoint is not None:
+            checkpoint.close()
     agree(error)
     return model.eval()
 
@@ -171,13 +177,15 @@ def build_meta_model(args: Resolved, layout: Layout, model_class: type | None = 
 
 
 def place(model: nn.Module, plan: dict[str, ParallelStyle], layout: Layout, parallel: ParallelConfig,
-          opts: LoadOptions | None = None, path: Path | None = None) -> None:
+          opts: LoadOptions | None = None, path: Path | None = None, *, checkpoint: Checkpoint | None = None) -> None:
     """Give the meta ``model`` its final layout before any byte is read: ``plan`` applied on ``layout``'s meshes
-    (with ``keep_quantized``, the FP8 layers of the checkpoint at ``path`` first), random ops and sampling agreeing
+    (with ``keep_quantized``, the FP8 layers of the checkpoint at ``path`` first: ``checkpoint``'s headers where it
+    is open already), random ops and sampling agreeing
     across TP, then FSDP2 over the data-parallel mesh."""
     opts = opts or LoadOptions()
     if opts.keep_quantized:  # FP8 layers in, before the plan places them (headers only)
-        keep_fp8_weights(model, path, plan)
+        view = checkpoint_view(checkpoint, model.config) if checkpoint is not None else None
+        keep_fp8_weights(model, path, plan, view=view)
     apply_plan(model, layout.tp, plan, ep_mesh=layout.ep, replicate_rest=not layout.plain_below_fsdp())
     if opts.keep_quantized:
         place_scales(model)
@@ -195,17 +203,18 @@ def place(model: nn.Module, plan: dict[str, ParallelStyle], layout: Layout, para
 
 
 def read(model: nn.Module, args: Resolved, layout: Layout, opts: LoadOptions | None = None, *,
-         threads: int | None = None, record_reads: bool = False) -> LoadReport:
-    """Read this rank's slices of the checkpoint at ``args.path`` into the placed ``model`` (with ``read_once``,
-    the first replica reads for the others) and its generation config; the report is ``model.hf_moe_tp.load_report``."""
+         threads: int | None = None, record_reads: bool = False, checkpoint: Checkpoint | None = None) -> LoadReport:
+    """Read this rank's slices of the checkpoint at ``args.path`` (``checkpoint``: open already) into the placed
+    ``model`` (with ``read_once``, the first replica reads for the others) and its generation config; the report is
+    ``model.hf_moe_tp.load_report``."""
     opts, replicas = opts or LoadOptions(), None
     if layout.has_replicas():
         read_once = opts.read_once
         if read_once is None:  # several nodes: replicas would read through a shared filesystem
             read_once = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) < dist.get_world_size()
         replicas = layout.dp.get_group(0) if read_once else None
-    report = load_checkpoint(model, args.path, threads=threads, record_reads=record_reads, strict=args.strict,
-                             replicas=replicas)
+    report = load_checkpoint(model, checkpoint if checkpoint is not None else args.path, threads=threads,
+                             record_reads=record_reads, strict=args.strict, replicas=replicas)
     state_of(model).load_report = report
     if args.generation_config is not None:
         model.generation_config = args.generation_config

@@ -50,7 +50,7 @@ class LoadReport:
 
 def load_checkpoint(
     model: nn.Module,
-    path: str | Path,
+    path: str | Path | Checkpoint,
     *,
     threads: int | None = None,
     record_reads: bool = False,
@@ -58,7 +58,8 @@ def load_checkpoint(
     strict: bool = True,
     replicas: dist.ProcessGroup | None = None,
 ) -> LoadReport:
-    """Fill ``model``'s parameters (plain, meta or DTensor) and persistent buffers from the checkpoint at ``path``.
+    """Fill ``model``'s parameters (plain, meta or DTensor) and persistent buffers from the checkpoint at ``path``
+(or an open :class:`~hf_moe_tp.checkpoint.files.Checkpoint`, left open: its headers read once by its owner).
 
     ``threads`` reader threads per rank (default :func:`default_threads`). Parameters on the meta device are
     allocated (their local shard only) on ``model``'s buffer device or CPU.
@@ -74,7 +75,8 @@ def load_checkpoint(
     start = time.perf_counter()
     # One straight pass: the checkpoint's headers -> the map onto every target (conversions; headers only) ->
     # every check -> each rank's box of each target's final DTensor -> requests (sources) -> read and copy.
-    ckpt = Checkpoint(Path(path), record=record_reads)
+    given = isinstance(path, Checkpoint)
+    ckpt = path if given else Checkpoint(Path(path), record=record_reads)
     try:
         targets = load_targets(model)
         found = read_map(model, ckpt, targets)
@@ -100,7 +102,8 @@ def load_checkpoint(
             quantization=found.view.quantization,
         )
     finally:
-        ckpt.close()
+        if not given:
+            ckpt.close()
 
 
 def _requests(model: nn.Module, targets: dict[str, torch.Tensor], found: ReadMap, path: Path
