@@ -76,7 +76,7 @@ MUTANTS = (
            r"'model\.layers\.1\.mlp\.gate\.weight': 'torch\.bfloat16'"),
     Mutant("cache-not-shared", "the paged cache's memory fraction not divided among a device's ranks",
            "hf_moe_tp/parallel/continuous_batching.py",
-           (("    model.init_continuous_batching = types.MethodType(shared, model)\n", "    pass\n"),),
+           (("    bind(model, \"init_continuous_batching\", shared)\n", "    pass\n"),),
            ("tests/test_continuous_batching.py::test_loaded_model_shares_the_cache_memory",),
            r"assert \[0\.6, 0\.5\] =="),
     Mutant("lora-dp-summed", "adapter gradients summed over the data-parallel replicas instead of averaged",
