@@ -25,7 +25,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .model_state import style_of
 from .styles import (
     LocalParams,
     _hook_inputs,
@@ -129,11 +128,6 @@ class ExpertParallel(ParallelStyle):
         placements: list[Placement] = [Replicate(), Replicate()]
         placements[ep] = Shard(0)
         return mesh["ep"], mesh[names[1 - ep]], placements
-
-
-def placed_by_expert_parallel(module: nn.Module) -> bool:
-    """Whether a plan placed ``module`` with :class:`ExpertParallel`."""
-    return isinstance(style_of(module), ExpertParallel)
 
 
 class _Dispatcher:

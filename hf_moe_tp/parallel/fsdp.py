@@ -29,9 +29,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from .._compat import MODEL_FSDP_MANAGED, MODEL_FSDP_PLAN, MODEL_NO_SPLIT, fsdp_share_param
-from .expert_parallel import placed_by_expert_parallel
 from .hf_plan import matches
-from .model_state import placed, state_of
+from .model_state import placed, state_of, style_of
+from .style_facts import experts_split_by
 
 logger = logging.getLogger(__name__)
 
@@ -297,7 +297,7 @@ def _expert_modules(model: nn.Module) -> Iterator[tuple[nn.Module, list[nn.Param
     fed every ep rank's tokens. (FSDP2 puts the dense layers of that layout on an ``(ep, tp)`` mesh too, and experts
     it shards over ``efsdp`` on a mesh with that dimension in front: neither is one of these.)"""
     for module in model.modules():
-        if placed_by_expert_parallel(module):
+        if experts_split_by(style_of(module), module) == "experts":
             params = [p for p in module.parameters(recurse=False) if isinstance(p, DTensor)
                       and "ep" in (p.device_mesh.mesh_dim_names or ()) and p.device_mesh.ndim == 2]
             if params:

@@ -284,8 +284,7 @@ def data_parallel_rank(model) -> tuple[int, int]:
     there are, on every layout: 0 of 1 at TP or EP over the TP ranks; the ``fsdp`` coordinate under FSDP;
     ``replicate * shard_size + shard`` under HSDP (the data-parallel mesh is 2-D there); the ``ep`` coordinate on
     an ``(ep, tp)`` mesh, whose ep ranks hold different batches. Ranks of one TP group get the same index."""
-    state = placed(model)
-    dp = state.layout.batch_mesh() if state is not None else None
+    dp = _batch_mesh(model)
     if dp is None:
         return 0, 1
     coordinate = dp.get_coordinate()
@@ -298,9 +297,14 @@ def data_parallel_groups(model) -> tuple:
     """The process groups over which a loaded ``model``'s ranks hold different batches (those of
     :func:`data_parallel_rank`): the data-parallel mesh's (two under HSDP: replicate, then shard), an
     ``(ep, tp)`` mesh's ep group, or none."""
-    state = placed(model)
-    dp = state.layout.batch_mesh() if state is not None else None
+    dp = _batch_mesh(model)
     return () if dp is None else tuple(dp.get_group(i) for i in range(dp.ndim) if dp.size(i) > 1)
+
+
+def _batch_mesh(model) -> DeviceMesh | None:
+    """A loaded ``model``'s :meth:`Layout.batch_mesh` (None for a model no plan placed)."""
+    state = placed(model)
+    return state.layout.batch_mesh() if state is not None else None
 
 
 def _experts_inside_fsdp(ep_size: int | None, fsdp_size: int, replicate: int) -> bool:

@@ -8,6 +8,8 @@ knows their cuts; no entry (``None``) leaves the module whole, computed as it is
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 from torch.distributed.tensor import Placement, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
@@ -43,30 +45,28 @@ def transformers_names(style: ParallelStyle | None, module: nn.Module) -> dict[s
 
 def computes_locally(style: ParallelStyle | None, module: nn.Module) -> bool:
     """Whether ``style`` runs ``module`` on local tensors (no entry: the module as it is)."""
-    if style is None:
-        return True
-    own = getattr(style, "computes_locally", None)
-    return bool(own is not None and own(module))
+    return style is None or bool(_asked(style, "computes_locally", module, False))
 
 
 def gathers_output(style: ParallelStyle | None, module: nn.Module) -> bool:
     """Whether ``style`` computes ``module`` on local tensors and gathers its split output whole (a model's output
     projection, whose logits a loss may keep split instead)."""
-    own = getattr(style, "gathers_output", None)
-    return bool(own is not None and own(module))
+    return bool(_asked(style, "gathers_output", module, False))
 
 
 def keeps_whole(style: ParallelStyle | None, module: nn.Module) -> bool:
     """Whether ``style`` leaves ``module`` as one process runs it: its weights whole, computed on local tensors,
     its inputs and outputs as they come, its gradients its own (no entry: yes)."""
-    if style is None:
-        return True
-    own = getattr(style, "keeps_whole", None)
-    return bool(own is not None and own(module))
+    return style is None or bool(_asked(style, "keeps_whole", module, False))
 
 
 def experts_split_by(style: ParallelStyle | None, module: nn.Module) -> str | None:
     """How ``style`` splits the experts ``module``: ``"hidden"`` (each rank a slice of every expert),
     ``"experts"`` (whole experts per rank), or None (not split)."""
-    own = getattr(style, "experts_split_by", None)
-    return None if own is None else own(module)
+    return _asked(style, "experts_split_by", module, None)
+
+
+def _asked(style: ParallelStyle | None, fact: str, module: nn.Module, default: Any) -> Any:
+    """``style``'s own answer (its method ``fact``) for ``module``, or ``default`` for a style without one."""
+    own = getattr(style, fact, None)
+    return default if own is None else own(module)

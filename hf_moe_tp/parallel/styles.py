@@ -97,9 +97,9 @@ class TensorParallel(ParallelStyle):
     def transformers_names(self, module: nn.Module) -> dict[str, str]:
         """transformers' name for each split parameter: ``packed_colwise`` for gate then up rows, else ``colwise``
         (split by outputs) or ``rowwise`` (by inputs)."""
-        names, inputs = {}, 1 if module.is_transposed else 2
+        names, inputs, placements = {}, 1 if module.is_transposed else 2, expert_placements(module)
         for param, p in module.named_parameters(recurse=False):
-            placement = expert_placements(module).get(param)
+            placement = placements.get(param)
             dim = None if placement is None else shard_dim(placement, p.dim())
             if dim is not None:
                 names[param] = ("packed_colwise" if is_strided_shard(placement)
