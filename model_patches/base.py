@@ -116,20 +116,57 @@ class Family:
                    attn_implementation: str | None = None) -> nn.Module:
         """The model ``config`` describes (``model_class``, else the class the checkpoint declares, else a causal
         LM), on the meta device (buffers real), its experts swapped for GroupedExperts and this family recorded on
-        it."""
-        from accelerate import init_empty_weights
+        it. Built as transformers builds it for loading: every tensor on the meta device (no parameter is ever
+        allocated, so the largest models build on a laptop), then the buffers on the CPU, filled by the model's
+        own ``initialize_weights`` (what transformers' loading does for the buffers no checkpoint holds)."""
         from transformers import AutoModelForCausalLM
 
         cls = model_class or declared_class(config) or AutoModelForCausalLM
-        with init_empty_weights(include_buffers=False):
-            kwargs = {"dtype": dtype} if dtype is not None else {}
-            if attn_implementation is not None:  # validated by transformers as for its own from_pretrained
-                kwargs["attn_implementation"] = attn_implementation
+        kwargs = {"dtype": dtype} if dtype is not None else {}
+        if attn_implementation is not None:  # validated by transformers as for its own from_pretrained
+            kwargs["attn_implementation"] = attn_implementation
+        with torch.device("meta"):
             model = from_config(cls, config, **kwargs)
+        real_buffers(model)
         model.tie_weights()  # transformers ties after loading; the plan needs the ties now
         self.experts.swap_experts(model)
         state_of(model).family = self
         return model
+
+
+def real_buffers(model: nn.Module) -> None:
+    """Put ``model``'s meta buffers on the CPU with the values its ``initialize_weights`` gives them. A buffer it
+    leaves unset would hold garbage: a non-persistent one (no checkpoint fills it) is refused by name; a persistent
+    one is the checkpoint's to fill (the loader refuses a missing key)."""
+    non_persistent, any_meta = [], False
+    for name, module in model.named_modules():
+        for attr, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                module._buffers[attr] = torch.full_like(b, _unset(b.dtype), device="cpu")
+                any_meta = True
+                if attr in module._non_persistent_buffers_set:
+                    non_persistent.append(f"{name}.{attr}" if name else attr)
+    if not any_meta:
+        return
+    model.initialize_weights()
+    left = [n for n in non_persistent if _still_unset(model.get_buffer(n))]
+    if left:
+        raise RuntimeError(f"{type(model).__name__}: transformers' initialize_weights leaves the non-persistent "
+                           f"buffer(s) {', '.join(left)} unset (the model is built on the meta device, as "
+                           f"transformers builds it for loading)")
+
+
+def _unset(dtype: torch.dtype) -> float | int | bool:
+    """The value a buffer holds until initialized: NaN, the integer minimum (False for bool: not detectable)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    return False if dtype == torch.bool else torch.iinfo(dtype).min
+
+
+def _still_unset(b: torch.Tensor) -> bool:
+    if b.dtype == torch.bool or b.numel() == 0:
+        return False
+    return bool((torch.isnan(b) if b.is_floating_point() else b == _unset(b.dtype)).all())
 
 
 def declared_class(config: PretrainedConfig) -> type | None:
