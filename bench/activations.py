@@ -56,17 +56,24 @@ def make_checkpoint(path: Path) -> None:
     AutoModelForCausalLM.from_config(MixtralConfig(**CONFIG)).save_pretrained(path)
 
 
-def saved_bytes(fn) -> int:
-    """Bytes of the distinct storages autograd saves while ``fn()`` runs (a DTensor counted by its local shard)."""
+def saved_bytes(fn, model=None) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn()`` runs (a DTensor counted by its local shard);
+    with ``model``, the storages of its parameters left out (activations only), as they are when each is saved
+    (FSDP2's gathered parameters, which it frees after the layer's forward, included)."""
     from torch.distributed.tensor import DTensor
 
     storages: dict[int, int] = {}
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        if local.device.type != "meta":
-            s = local.untyped_storage()
-            storages[s.data_ptr()] = s.nbytes()
+        held = local(t)
+        if held.device.type == "meta":
+            return t
+        s = held.untyped_storage()
+        if model is not None and any(local(p).untyped_storage().data_ptr() == s.data_ptr()
+                                     for p in model.parameters()):
+            return t
+        storages[s.data_ptr()] = s.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -41,6 +41,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect.add_argument("--ep", type=int, default=None,
                          help="expert parallelism: equal to --tp, or with --tp 1 equal to --fsdp (default: off)")
 
+    planner = commands.add_parser(
+        "plan", help="which layouts fit a cluster, for inference or training, ranked (reads no weights)",
+        description="For every layout the cluster allows (TP inside a node, EP over the TP ranks, CP inside a node "
+        "and FSDP2 / HSDP over the rest for training; TP x EP replicas for inference), place the model on its "
+        "final layout on a fake process group, as inspect does, and estimate its busiest rank's memory: weights, "
+        "gradients, optimizer state, activations, FSDP2's gathered layers, KV cache. Fitting layouts first. "
+        "Exits 1 when none fits.")
+    planner.add_argument("path", help="checkpoint folder, or a config alone (a folder with config.json, or the file)")
+    planner.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    planner.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    planner.add_argument("--gpu-memory", type=float, default=80, help="GiB per GPU (default 80)")
+    planner.add_argument("--inference", action="store_true", help="plan inference (default: training)")
+    planner.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    planner.add_argument("--micro-batch", type=int, default=1, help="sequences per data-parallel rank (default 1)")
+    planner.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16")
+    planner.add_argument("--master-float32", action="store_true",
+                         help="float32 weights, gradients and optimizer state, --dtype compute (FSDP2 mixed precision)")
+    planner.add_argument("--optimizer", choices=["adamw", "sgd", "none"], default="adamw")
+    planner.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every layer")
+    planner.add_argument("--kv-tokens", type=int, default=0,
+                         help="inference: tokens of KV cache per replica (batch x context; default: --seq-len)")
+    planner.add_argument("--json", action="store_true", help="print the plan as JSON")
+
     generate = commands.add_parser(
         "generate", help="generate from a checkpoint, tensor-parallel (greedy, or sampled with --sample)",
         description="Load PATH tensor-parallel and generate, greedily unless --sample. Under torchrun (or "
@@ -73,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_inspection(inspect_checkpoint(args.path, args.tp, fsdp=args.fsdp, ep=args.ep,
                                             dp_replicate=args.dp_replicate))
         return 0
+    if args.command == "plan":
+        return _plan(args)
     from .generation import generate_on_ranks, generate_rank
 
     sampling = None
@@ -97,3 +122,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(generate_on_ranks(args.tp, *request))
     return 0
 
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from .planning import GIB, Cluster, Job, as_json, plan, print_plan
+
+    cluster = Cluster(args.gpus, args.gpus_per_node, int(args.gpu_memory * GIB))
+    job = Job(training=not args.inference, seq_len=args.seq_len, micro_batch=args.micro_batch,
+              dtype=getattr(torch, args.dtype), master_float32=args.master_float32, optimizer=args.optimizer,
+              checkpointing=args.checkpointing, kv_tokens=args.kv_tokens or args.seq_len)
+    candidates = plan(args.path, cluster, job)
+    if args.json:
+        print(json.dumps(as_json(candidates), indent=1))
+    else:
+        print_plan(candidates, cluster, job)
+    return 0 if any(c.fits for c in candidates) else 1

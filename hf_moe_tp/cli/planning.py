@@ -1,0 +1,247 @@
+"""``hf-moe-tp plan``: which layouts of a model fit a cluster, for inference or training, ranked, each with what
+its busiest rank holds and reads.
+
+Each candidate layout is placed for real, as ``hf-moe-tp inspect`` places it (the meta model, the plan and FSDP2 on
+a fake process group: the parameter bytes per rank and the bytes each rank's load reads come from the styles'
+placements and the loader's own read map, not from a formula). The rest is a model: gradients and optimizer state
+follow the parameters' shards; activations follow :mod:`hf_moe_tp.parallel.activations` (checked against what
+autograd saves on real ranks); FSDP2 holds two layers gathered (the one computing and the one prefetched); the
+KV cache follows the config; the CUDA context and the allocator's slack take a fixed share off each device. Where
+a term is uncertain it errs high: a plan must not say a layout fits when it does not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..parallel.activations import Shape, Split, saved_bytes
+
+GIB = 2**30
+CONTEXT_BYTES = GIB  # the CUDA context, NCCL's buffers and the allocator's slack, per device (errs high)
+USABLE = 0.92  # of the rest: fragmentation of the caching allocator
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The GPUs a job may use: how many, how many per node (TP and CP stay inside a node), memory of each."""
+
+    gpus: int
+    gpus_per_node: int = 8
+    gpu_memory: int = 80 * GIB
+
+    def usable(self) -> int:
+        """Bytes a rank may plan to hold on one device."""
+        return int((self.gpu_memory - CONTEXT_BYTES) * USABLE)
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the ranks do. Training: a micro-batch of sequences per data-parallel rank, the optimizer's state, the
+    weights in ``dtype`` (``master_float32``: float32 weights, gradients and state with ``dtype`` compute, as FSDP2's
+    mixed precision keeps them). Inference: ``kv_tokens`` tokens of KV cache per model replica (batch x context)."""
+
+    training: bool = True
+    seq_len: int = 4096
+    micro_batch: int = 1
+    dtype: torch.dtype = torch.bfloat16
+    master_float32: bool = False
+    optimizer: str = "adamw"  # adamw, sgd (momentum), none
+    checkpointing: bool = False
+    kv_tokens: int = 0
+
+
+@dataclass
+class Candidate:
+    """One layout and its busiest rank's bytes by term."""
+
+    layout: dict[str, int]
+    sequence_parallel: bool
+    memory: dict[str, int] = field(default_factory=dict)
+    read_bytes: int = 0
+    fits: bool = False
+    why: str = ""
+
+    @property
+    def total(self) -> int:
+        """The busiest rank's bytes, all terms."""
+        return sum(self.memory.values())
+
+    def name(self) -> str:
+        """``tp 4 x ep 4 x fsdp 2 + sp``: the sizes above 1, and sequence parallelism where it is on."""
+        parts = [f"{k} {v}" for k, v in self.layout.items() if v > 1]
+        return " x ".join(parts) + (" + sp" if self.sequence_parallel else "") if parts else "one rank"
+
+
+def layouts(cluster: Cluster, shape: Shape, job: Job) -> list[dict[str, int]]:
+    """The layouts worth trying. Training: TP over a divisor of a node (the attention heads divide), expert
+    parallelism over the TP ranks or off, context parallelism inside the node, FSDP2 over the rest (and HSDP with a
+    replica per node). Inference: TP (with EP over its ranks, or without) over any divisor of the cluster, a
+    model replica per TP group; TP across nodes only where nothing inside one fits (:func:`plan` ranks it last)."""
+    out = []
+    node = min(cluster.gpus_per_node, cluster.gpus)
+    if not job.training:
+        for tp in (d for d in range(1, cluster.gpus + 1) if cluster.gpus % d == 0 and shape.heads % d == 0):
+            for ep in ((1, tp) if tp > 1 and shape.experts % tp == 0 else (1,)):
+                out.append(dict(tp=tp, ep=ep, cp=1, fsdp=1, dp_replicate=cluster.gpus // tp))
+        return out
+    nodes = max(1, cluster.gpus // node)
+    for tp in (d for d in range(1, node + 1) if node % d == 0 and shape.heads % d == 0):
+        for ep in ((1, tp) if tp > 1 and shape.experts % tp == 0 else (1,)):
+            for cp in _powers(node // tp):
+                rest = cluster.gpus // (tp * cp)
+                if rest * tp * cp != cluster.gpus:
+                    continue
+                replicas = [1] + ([nodes] if 1 < nodes <= rest and rest % nodes == 0 else [])
+                out += [dict(tp=tp, ep=ep, cp=cp, fsdp=rest // r, dp_replicate=r) for r in replicas]
+    return out
+
+
+def _powers(n: int) -> list[int]:
+    return [2**i for i in range(int(math.log2(n)) + 1) if n % 2**i == 0] if n >= 1 else [1]
+
+
+def plan(path: str | Path, cluster: Cluster, job: Job) -> list[Candidate]:
+    """Every candidate layout of the model at ``path`` (a checkpoint or a config alone) on ``cluster`` for ``job``,
+    fitting ones first, each group by its busiest rank's bytes."""
+    model = Model(path)
+    out = [model.estimate(lay, cluster, job) for lay in layouts(cluster, model.shape, job)]
+    return sorted(out, key=lambda c: rank_key(c, cluster))
+
+
+def rank_key(c: Candidate, cluster: Cluster) -> tuple:
+    """Fitting layouts first; among them, TP and CP inside a node, then the fewest ranks per model replica (the
+    least communication in each step, the most replicas), then the least memory. Layouts that do not fit follow,
+    the nearest to fitting first; refused ones last."""
+    group = c.layout["tp"] * c.layout["cp"]
+    return (not c.fits, c.why.startswith("refused"), group > cluster.gpus_per_node,
+            group if c.fits else 0, c.total)
+
+
+class Model:
+    """The model at ``path`` as the planner sees it: its shape, its largest FSDP2 unit, whether it attends
+    eagerly, and its placements at each layout (one inspection per distinct weight split)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoConfig
+
+        from model_patches import meta_model
+
+        self.path = path
+        config = AutoConfig.from_pretrained(path)
+        model = meta_model(config)
+        self.shape = Shape.from_config(config, model)
+        self.largest_unit = _largest_unit_share(model)
+        cls = type(model)  # no fused attention kernel: eager attention keeps its scores
+        self.eager = not getattr(cls, "_supports_sdpa", True) and not getattr(cls, "_supports_flash_attn", False)
+        self._inspections: dict = {}
+
+    def inspection(self, lay: dict[str, int]):
+        """``hf-moe-tp inspect``'s figures at ``lay`` (CP ranks hold what FSDP2 over dp x cp gives them)."""
+        from .inspection import inspect_checkpoint
+
+        key = (lay["tp"], lay["ep"], lay["fsdp"] * lay["cp"], lay["dp_replicate"])
+        if key not in self._inspections:
+            self._inspections[key] = inspect_checkpoint(self.path, key[0], fsdp=key[2],
+                                                        ep=key[1] if key[1] > 1 else None, dp_replicate=key[3])
+        return self._inspections[key]
+
+    def estimate(self, lay: dict[str, int], cluster: Cluster, job: Job) -> Candidate:
+        """The busiest rank's bytes at layout ``lay`` (tp, ep, cp, fsdp, dp_replicate) for ``job``."""
+        try:
+            found = self.inspection(lay)
+        except (ValueError, NotImplementedError) as e:  # a layout the library refuses
+            return Candidate(lay, False, why=f"refused: {str(e).splitlines()[0][:160]}")
+        return _estimate(lay, lay["tp"] > 1 and job.training, found, self.shape, job, cluster, self.largest_unit,
+                         self.eager)
+
+
+def _estimate(lay: dict, sp: bool, found, shape: Shape, job: Job, cluster: Cluster, largest_unit: float,
+              eager: bool) -> Candidate:
+    compute = job.dtype.itemsize
+    held = max(found.rank_bytes)  # float32: the meta model is built in the default dtype
+    weights = held * (4 if job.master_float32 else compute) // 4
+    c = Candidate(lay, sp, read_bytes=max(found.rank_disk_bytes or [0]))
+    if job.training:
+        state = {"adamw": 2, "sgd": 1, "none": 0}[job.optimizer]
+        c.memory["weights"] = weights
+        c.memory["gradients"] = weights
+        c.memory["optimizer"] = state * weights
+        if lay["fsdp"] * lay["cp"] > 1:  # two layers gathered in compute dtype
+            c.memory["fsdp buffers"] = int(2 * largest_unit * held * lay["fsdp"] * lay["cp"] * compute / 4)
+        split = Split(tp=lay["tp"], ep=lay["ep"], cp=lay["cp"], sequence_parallel=sp, checkpointing=job.checkpointing)
+        tokens = job.micro_batch * job.seq_len
+        c.memory["activations"] = saved_bytes(shape, split, job.seq_len, compute, job.micro_batch, scores=eager)
+        c.memory["backward peak"] = 2 * tokens // lay["cp"] * shape.vocab * 4  # the loss's gradient, fp32, twice
+    else:
+        c.memory["weights"] = weights
+        c.memory["kv cache"] = _kv_bytes(shape, job, lay["tp"])
+        c.memory["activations"] = saved_bytes(shape, Split(tp=lay["tp"], ep=lay["ep"]), job.seq_len, compute,
+                                              scores=eager) // max(1, shape.layers)
+    usable = cluster.usable()
+    c.fits = c.total <= usable
+    if not c.fits:
+        term, size = max(c.memory.items(), key=lambda kv: kv[1])
+        c.why = (f"needs {c.total / GIB:.1f} GiB of {usable / GIB:.1f} GiB usable per rank; the largest term is "
+                 f"{term} ({size / GIB:.1f} GiB)")
+    return c
+
+
+def _kv_bytes(shape: Shape, job: Job, tp: int) -> int:
+    """Key and value cache per rank for ``job.kv_tokens`` tokens: heads split by TP (a KV head repeated where TP
+    exceeds their number); MLA caches the expanded keys and values per head, as transformers' cache does."""
+    if shape.kv_lora:
+        per_token = shape.heads * (shape.head_dim + shape.value_dim) / tp
+    else:
+        per_token = 2 * max(1, shape.kv_heads // tp) * shape.head_dim
+    return int(job.kv_tokens * shape.layers * per_token * job.dtype.itemsize)
+
+
+def _largest_unit_share(model) -> float:
+    """The largest FSDP2 unit's share of the parameters (a decoder layer, the embeddings, the output head)."""
+    total = sum(p.numel() for p in model.parameters())
+    units = [sum(p.numel() for p in m.parameters()) for name, m in model.named_modules()
+             if name.endswith(("embed_tokens", "lm_head")) or _is_layer(name)]
+    return max(units, default=total) / total
+
+
+def _is_layer(name: str) -> bool:
+    head, _, index = name.rpartition(".")
+    return head.endswith("layers") and index.isdigit()
+
+
+def as_json(candidates: list[Candidate]) -> list[dict]:
+    """The plan for scripts: one object per layout, bytes as integers."""
+    return [dict(asdict(c), name=c.name(), total=c.total) for c in candidates]
+
+
+def print_plan(candidates: list[Candidate], cluster: Cluster, job: Job) -> None:
+    """The plan as a table: one layout a line, its busiest rank's GiB by term; why each misfit does not fit."""
+    kind = (f"training, {job.micro_batch} x {job.seq_len} tokens per data-parallel rank, {job.optimizer}, "
+            f"{str(job.dtype).removeprefix('torch.')}" + (" (float32 master)" if job.master_float32 else "")
+            + (", activation checkpointing" if job.checkpointing else "")) if job.training else \
+        f"inference, {job.kv_tokens} tokens of KV cache per replica, {str(job.dtype).removeprefix('torch.')}"
+    print(f"{cluster.gpus} GPUs ({cluster.gpus_per_node} per node, {cluster.gpu_memory / GIB:.0f} GiB each; "
+          f"{cluster.usable() / GIB:.1f} GiB usable per rank), {kind}")
+    terms = list(dict.fromkeys(t for c in candidates for t in c.memory))
+    head = ["layout", *terms, "total", "read at load"]
+    rows = [[c.name(), *[_gib(c.memory.get(t, 0)) for t in terms], _gib(c.total), _gib(c.read_bytes)]
+            for c in candidates if not c.why.startswith("refused")]
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    fits = [c for c in candidates if not c.why.startswith("refused")]
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)) + "  fits")
+    for c, row in zip(fits, rows, strict=True):
+        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)) + ("  yes" if c.fits else "  no"))
+    for c in candidates:
+        if not c.fits:
+            print(f"  {c.name()}: {c.why}")
+    best = next((c for c in candidates if c.fits), None)
+    print(f"best: {best.name()} ({_gib(best.total)} GiB on its busiest rank)" if best else
+          "no layout fits: more GPUs, activation checkpointing, a shorter sequence or a smaller micro-batch")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f}"

@@ -1,0 +1,133 @@
+"""The activation memory a training forward keeps for backward, per rank, from the config and the layout's sizes.
+
+A model of what autograd saves in transformers' decoder layers (sdpa attention) as this library splits them:
+counted per token and per layer, term by term, each term divided by what splits it. Under TP the attention heads,
+the experts' hidden size and the shared / dense MLPs' hidden size are split by ``tp``, while the residual stream,
+the norms and the router stay whole (split by ``tp`` too with sequence parallelism; the projections' gathered
+inputs stay whole). Expert parallelism gives each rank about ``1/ep`` of the routed tokens (balanced routing: a
+skewed router sends one rank more; the ``skew`` factor covers it). Context parallelism gives each rank ``1/cp`` of
+every sequence through every layer (Ulysses attention holds the whole sequence for ``heads / cp`` heads: the same
+bytes). The loss keeps the logits in float32 (transformers' cross-entropy upcasts them) and their log-softmax.
+
+Where a term depends on details this model does not follow (a family's extra norms, an activation's own
+saved input), it counts the larger choice: the estimate errs high, and
+``tests/test_planner.py`` checks it against what autograd saves on real ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes of a MoE decoder the activation model needs, read from a transformers config."""
+
+    hidden: int
+    layers: int
+    moe_layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int  # query / key head size (MLA: nope + rope)
+    value_dim: int  # value head size
+    experts: int
+    top_k: int
+    expert_hidden: int
+    shared_hidden: int  # the shared experts' hidden size in all (0: none)
+    dense_hidden: int  # the dense layers' MLP hidden size
+    vocab: int
+    q_lora: int = 0  # MLA: the query's low-rank size (0: none)
+    kv_lora: int = 0  # MLA: the keys' and values' compressed size plus the rope part (0: not MLA)
+    qk_norm: bool = False  # a norm per head on queries and keys (Qwen3-MoE)
+
+    @classmethod
+    def from_config(cls, config, model=None) -> Shape:
+        """The shape of ``config`` (its text config, for a multimodal model); ``model`` (meta is enough) tells
+        whether attention normalizes queries and keys per head."""
+        c = config.get_text_config() if hasattr(config, "get_text_config") else config
+        get = lambda *names, default=0: next((getattr(c, n) for n in names if getattr(c, n, None)), default)  # noqa: E731
+        hidden, layers = c.hidden_size, c.num_hidden_layers
+        heads = c.num_attention_heads
+        experts = get("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+        expert_hidden = get("moe_intermediate_size", "expert_intermediate_size", default=c.intermediate_size)
+        if isinstance(expert_hidden, (list, tuple)):
+            expert_hidden = max(expert_hidden)
+        shared = get("shared_expert_intermediate_size") or get("n_shared_experts", "num_shared_experts") * (
+            expert_hidden if get("n_shared_experts", "num_shared_experts") else 0)
+        dense_layers = _dense_layers(c, layers)
+        rope, nope = get("qk_rope_head_dim"), get("qk_nope_head_dim")
+        mla = bool(get("kv_lora_rank"))
+        head_dim = (rope + nope) if mla else get("head_dim", default=hidden // heads)
+        return cls(hidden=hidden, layers=layers, moe_layers=layers - dense_layers, heads=heads,
+                   kv_heads=heads if mla else get("num_key_value_heads", default=heads), head_dim=head_dim,
+                   value_dim=get("v_head_dim", default=head_dim) if mla else head_dim, experts=experts,
+                   top_k=get("num_experts_per_tok", "moe_topk", "top_k", default=1), expert_hidden=expert_hidden,
+                   shared_hidden=shared, dense_hidden=get("intermediate_size", default=4 * hidden),
+                   vocab=c.vocab_size, q_lora=get("q_lora_rank"), kv_lora=get("kv_lora_rank") + rope if mla else 0,
+                   qk_norm=model is not None and any(n.endswith("self_attn.q_norm") for n, _ in model.named_modules()))
+
+
+def _dense_layers(c, layers: int) -> int:
+    """How many decoder layers have a dense MLP instead of experts."""
+    if getattr(c, "mlp_only_layers", None):
+        return len(c.mlp_only_layers)
+    if getattr(c, "first_k_dense_replace", None):
+        return c.first_k_dense_replace
+    step = getattr(c, "decoder_sparse_step", None) or getattr(c, "interleave_moe_layer_step", None) or 1
+    return layers - math.ceil(layers / step) if step > 1 else 0
+
+
+@dataclass(frozen=True)
+class Split:
+    """The layout's sizes as the activation model sees them."""
+
+    tp: int = 1
+    ep: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    checkpointing: bool = False  # activation checkpointing of every decoder layer
+    skew: float = 1.25  # expert parallelism: the busiest rank's share of routed tokens over the mean
+
+
+def saved_bytes(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, micro_batch: int = 1,
+                scores: bool = False) -> int:
+    """Bytes a training forward of ``micro_batch`` sequences of ``seq_len`` tokens saves for backward on the busiest
+    rank, weights excluded. ``scores``: the attention kernel keeps its score matrix (eager attention, or sdpa's
+    math path: on CPU where query and value heads differ in size); fused kernels (flash, memory-efficient) keep
+    the log-sum-exp only. With checkpointing, each layer keeps its input, and one layer at a time its whole set
+    (recomputed in backward)."""
+    s, b = shape, dtype_bytes
+    t, cp = split.tp, split.cp
+    local = micro_batch * seq_len / cp  # every per-token term below is for one of this rank's tokens
+    stream = t if split.sequence_parallel else 1  # what splits the residual stream, norms and routers
+
+    def norm(width: int) -> float:  # the float32 input (a copy below float32), the normalized output
+        return width * (4 + b) + 4
+
+    # a head's scores per query (the float32 softmax, and its cast below float32), or its log-sum-exp
+    per_head = seq_len * (4 + (b if b < 4 else 0)) if scores else 4
+    if s.kv_lora:  # MLA: the low-rank projections and their norms whole, the heads split
+        attention_whole = s.hidden * b + norm(s.q_lora) + s.q_lora * b + norm(s.kv_lora) + s.kv_lora * b
+        attention_split = s.heads * (3 * s.head_dim + 3 * s.value_dim) * b
+    else:
+        attention_whole = s.hidden * b  # the projections' input (gathered under sequence parallelism)
+        attention_split = 2 * (s.heads + s.kv_heads) * s.head_dim * b
+        if s.qk_norm:  # a norm per head on the queries and keys
+            attention_split += norm(s.heads * s.head_dim) + norm(s.kv_heads * s.head_dim)
+    if cp > 1:  # Ulysses: the heads' tensors kept before the all-to-all (this rank's tokens, every head) and after
+        attention_split *= 2
+    attention = attention_whole + (attention_split + s.heads * per_head) / t + 2 * s.head_dim * 4
+    router = s.hidden * b + s.experts * (b + 5) + s.top_k * 16 + 16
+    share = split.skew / split.ep if split.ep > 1 else 1.0  # of the routed tokens, on the busiest rank
+    expert_hidden = s.expert_hidden / (t if split.ep == 1 else 1)
+    experts = s.top_k * share * (4 * expert_hidden * b + 20 + (s.hidden * b if split.ep > 1 else 0)) + s.experts * 8
+    mlp = lambda width: 4 * width * b / t  # noqa: E731  gate, up, their product's inputs, the down projection's
+    moe_layer = 2 * norm(s.hidden) / stream + router / stream + attention + experts + mlp(s.shared_hidden)
+    dense_layer = 2 * norm(s.hidden) / stream + attention + s.hidden * b + mlp(s.dense_hidden)
+    head = norm(s.hidden) / stream + s.hidden * b + s.vocab * 4 + 16  # the logits upcast for the loss
+    if split.checkpointing:
+        body = s.layers * s.hidden * b / stream + max(moe_layer if s.moe_layers else 0, dense_layer)
+    else:
+        body = s.moe_layers * moe_layer + (s.layers - s.moe_layers) * dense_layer
+    return int(math.ceil(local * (body + head)))
