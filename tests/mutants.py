@@ -119,6 +119,12 @@ MUTANTS = (
              "            swapped.append(swap_in(slots, lambda t: t, swaps=_summable))\n"),),
            ("tests/test_sequence_parallel.py::test_tp2_matches_one_process[mixtral]",),
            r"'grad_at': '[^']*(norm|layernorm)\.weight'"),
+    Mutant("plan-ulysses-once", "the activation model counts Ulysses attention's heads once (before the all-to-all "
+           "only): the planner says a cp layout fits with less memory than it takes",
+           "hf_moe_tp/parallel/activations.py",
+           (("        attention_split *= 2\n", "        attention_split *= 1\n"),),
+           ("tests/test_planner.py::test_saved_activations_are_what_the_model_says[2]",),
+           r"AssertionError: \{\('\w+', 'cp2', 'torch\.\w+'\): 0\.\d+"),
 )
 
 

@@ -62,6 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     planner.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every layer")
     planner.add_argument("--kv-tokens", type=int, default=0,
                          help="inference: tokens of KV cache per replica (batch x context; default: --seq-len)")
+    planner.add_argument("--eager-attention", action="store_true",
+                         help="attention without a fused kernel, which keeps its scores (default: flash / sdpa's "
+                         "memory-efficient kernel where the family has one)")
     planner.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     generate = commands.add_parser(
@@ -134,7 +137,8 @@ def _plan(args: argparse.Namespace) -> int:
     cluster = Cluster(args.gpus, args.gpus_per_node, int(args.gpu_memory * GIB))
     job = Job(training=not args.inference, seq_len=args.seq_len, micro_batch=args.micro_batch,
               dtype=getattr(torch, args.dtype), master_float32=args.master_float32, optimizer=args.optimizer,
-              checkpointing=args.checkpointing, kv_tokens=args.kv_tokens or args.seq_len)
+              checkpointing=args.checkpointing, kv_tokens=args.kv_tokens or args.seq_len,
+              eager_attention=args.eager_attention)
     candidates = plan(args.path, cluster, job)
     if args.json:
         print(json.dumps(as_json(candidates), indent=1))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..parallel.activations import Shape, Split, saved_bytes
+from ..parallel.activations import Shape, Split, backward_peak_bytes, saved_bytes
 
 GIB = 2**30
 CONTEXT_BYTES = GIB  # the CUDA context, NCCL's buffers and the allocator's slack, per device (errs high)
@@ -52,6 +52,7 @@ class Job:
     optimizer: str = "adamw"  # adamw, sgd (momentum), none
     checkpointing: bool = False
     kv_tokens: int = 0
+    eager_attention: bool = False  # no fused attention kernel: it keeps its scores (as where the family has none)
 
 
 @dataclass
@@ -156,7 +157,7 @@ class Model:
         except (ValueError, NotImplementedError) as e:  # a layout the library refuses
             return Candidate(lay, False, why=f"refused: {str(e).splitlines()[0][:160]}")
         return _estimate(lay, lay["tp"] > 1 and job.training, found, self.shape, job, cluster, self.largest_unit,
-                         self.eager)
+                         self.eager or job.eager_attention)
 
 
 def _estimate(lay: dict, sp: bool, found, shape: Shape, job: Job, cluster: Cluster, largest_unit: float,
@@ -173,9 +174,8 @@ def _estimate(lay: dict, sp: bool, found, shape: Shape, job: Job, cluster: Clust
         if lay["fsdp"] * lay["cp"] > 1:  # two layers gathered in compute dtype
             c.memory["fsdp buffers"] = int(2 * largest_unit * held * lay["fsdp"] * lay["cp"] * compute / 4)
         split = Split(tp=lay["tp"], ep=lay["ep"], cp=lay["cp"], sequence_parallel=sp, checkpointing=job.checkpointing)
-        tokens = job.micro_batch * job.seq_len
         c.memory["activations"] = saved_bytes(shape, split, job.seq_len, compute, job.micro_batch, scores=eager)
-        c.memory["backward peak"] = 2 * tokens // lay["cp"] * shape.vocab * 4  # the loss's gradient, fp32, twice
+        c.memory["backward peak"] = backward_peak_bytes(shape, split, job.seq_len, job.micro_batch, scores=eager)
     else:
         c.memory["weights"] = weights
         c.memory["kv cache"] = _kv_bytes(shape, job, lay["tp"])

@@ -131,3 +131,13 @@ def saved_bytes(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, micr
     else:
         body = s.moe_layers * moe_layer + (s.layers - s.moe_layers) * dense_layer
     return int(math.ceil(local * (body + head)))
+
+
+def backward_peak_bytes(shape: Shape, split: Split, seq_len: int, micro_batch: int = 1, scores: bool = False) -> int:
+    """What backward holds for a moment beyond the saved bytes, at most: the loss's float32 gradient of the
+    logits (twice: the gradient and the softmax it is computed from), or, where attention keeps its scores, one
+    layer's score gradients (float32, twice)."""
+    local = micro_batch * seq_len / split.cp
+    logits = 2 * local * shape.vocab * 4
+    attention = 2 * shape.heads / split.tp * seq_len * local * 4 if scores else 0
+    return int(math.ceil(max(logits, attention)))
