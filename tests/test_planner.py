@@ -53,6 +53,9 @@ def checkpoints(tmp_path_factory):
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config()).save_pretrained(root / family)
         out[family] = str(root / family)
+    torch.manual_seed(0)  # a bf16 checkpoint: its config's dtype is not the float32 the planner's job may ask
+    AutoModelForCausalLM.from_config(CONFIGS["deepseek_v3"](), dtype=torch.bfloat16).save_pretrained(root / "bf16")
+    out["deepseek_v3 bf16"] = str(root / "bf16")
     return out
 
 
@@ -141,9 +144,9 @@ def test_a_training_step_peaks_below_the_plan(ranks, checkpoints, world):
     assert off == {}, off
 
 
-def _held_after_a_step(path: str, kwargs: dict) -> dict:
+def _held_after_a_step(path: str, kwargs: dict, dtype: torch.dtype) -> dict:
     """This rank's local bytes of parameters, gradients and AdamW's moments after one step."""
-    model = hf_moe_tp.from_pretrained(path, dtype=torch.float32, **kwargs).train()
+    model = hf_moe_tp.from_pretrained(path, dtype=dtype, **kwargs).train()
     ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(ids, labels=ids).loss.backward()
@@ -162,15 +165,17 @@ def _held_after_a_step(path: str, kwargs: dict) -> dict:
                                  dict(tp=2, ep=1, cp=2, fsdp=1, dp_replicate=1),
                                  dict(tp=1, ep=1, cp=1, fsdp=2, dp_replicate=2)],
                          ids=["tp2", "tp2xep2", "fsdp2xtp2", "cp2xtp2", "hsdp2x2"])
-def test_weights_gradients_and_optimizer_are_what_ranks_hold(ranks, checkpoints, lay):
-    """The plan's weights, gradients and AdamW state per rank (fp32 training) equal what each rank of the layout
-    holds after a step, to the byte, on the busiest rank."""
+@pytest.mark.parametrize("saved, dtype", [("deepseek_v3", torch.float32), ("deepseek_v3 bf16", torch.float32),
+                                          ("deepseek_v3", torch.bfloat16)], ids=["fp32", "bf16-saved-fp32", "bf16"])
+def test_weights_gradients_and_optimizer_are_what_ranks_hold(ranks, checkpoints, lay, saved, dtype):
+    """The plan's weights, gradients and AdamW state per rank equal what each rank of the layout holds after a
+    step, to the byte, on the busiest rank, whatever dtype the checkpoint's config names and the job trains in."""
     world = lay["tp"] * lay["cp"] * lay["fsdp"] * lay["dp_replicate"]
     kwargs = {k: v for k, v in dict(ep_size=lay["ep"], cp_size=lay["cp"], fsdp_size=lay["fsdp"],
                                     dp_replicate_size=lay["dp_replicate"]).items() if v > 1}
-    held = ranks(world).run(_held_after_a_step, checkpoints["deepseek_v3"], kwargs)
-    job = Job(dtype=torch.float32, seq_len=16)
-    estimate = Model(checkpoints["deepseek_v3"]).estimate(lay, Cluster(world, world), job)
+    held = ranks(world).run(_held_after_a_step, checkpoints[saved], kwargs, dtype)
+    job = Job(dtype=dtype, seq_len=16)
+    estimate = Model(checkpoints[saved]).estimate(lay, Cluster(world, world), job)
     for term in ("weights", "gradients", "optimizer"):
         assert estimate.memory[term] == max(h[term] for h in held), (term, estimate.memory, held)
 

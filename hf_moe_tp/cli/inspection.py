@@ -54,6 +54,7 @@ class Inspection:
     layout: dict[str, int] = field(default_factory=dict)  # mesh dimension name -> size
     rank_buffer_bytes: list[int] = field(default_factory=list)  # the loader's read buffers at most (all threads)
     weights: bool = True  # False: a config alone; the disk figures assume an unquantized checkpoint
+    dtype_bytes: int = 4  # the element size most parameter bytes have (the config's dtype)
     fsdp: bool = False  # FSDP2 over data-parallel dimensions after the plan
 
     @property
@@ -80,10 +81,12 @@ class TowerLayout:
 
 
 def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | None = None,
-                       dp_replicate: int = 1) -> Inspection:
+                       dp_replicate: int = 1, dtype: torch.dtype | None = None) -> Inspection:
     """Family, its rules (model_patches), resolved plan and per-rank bytes of ``path`` (a checkpoint folder, or a config
     alone: a folder with ``config.json`` or the file itself) at TP ``tp`` x FSDP ``fsdp`` x ``dp_replicate``
-    (``ep``: expert parallelism as :func:`hf_moe_tp.from_pretrained` takes it). Reads headers only."""
+    (``ep``: expert parallelism as :func:`hf_moe_tp.from_pretrained` takes it), the parameters in ``dtype`` as
+    ``from_pretrained(dtype=...)`` makes them (the config's by default; float32-kept ones stay). Reads headers
+    only."""
     if dist.is_initialized():
         raise RuntimeError("inspect runs outside a process group (it starts a fake one of the requested size)")
     path = Path(path)
@@ -102,7 +105,7 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
                              f"shards")
         root = root_mesh(layout.tp)
         dims = dict(zip(root.mesh_dim_names, root.shape, strict=True))
-        model = meta_model(config)
+        model = meta_model(config, dtype=dtype)
         plan = plans.tp_plan(model, layout.tp.size(), ep_size=ep if ep and ep > 1 else None)
         apply_plan(model, layout.tp, plan, ep_mesh=layout.ep)  # the public one: integrations on, as before
         tower_layouts = {name: tower_layout(model, name, plan) for name in towers(model)}  # TP's splits, not FSDP's
@@ -133,6 +136,7 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
         else "config alone",
         plan=_summarise(plan),
         rank_bytes=rank_bytes,
+        dtype_bytes=_main_itemsize(model),
         total_bytes=total,
         checkpoint_bytes=sum(f.stat().st_size for f in {i.file for i in ckpt.tensors.values()}) if weights else total,
         quantization=quantization.describe() if quantization else None,
@@ -143,6 +147,14 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
         rank_buffer_bytes=[default_threads() * b for b in largest],
         weights=weights,
     )
+
+
+def _main_itemsize(model) -> int:
+    """The element size holding most of ``model``'s parameter bytes."""
+    sizes: Counter = Counter()
+    for p in model.parameters():
+        sizes[p.element_size()] += p.numel() * p.element_size()
+    return sizes.most_common(1)[0][0] if sizes else 4
 
 
 def _nbytes(t: torch.Tensor, boxes: list[tuple[tuple[int, int], ...]]) -> int:

@@ -140,20 +140,22 @@ class Model:
         self.eager = not getattr(cls, "_supports_sdpa", True) and not getattr(cls, "_supports_flash_attn", False)
         self._inspections: dict = {}
 
-    def inspection(self, lay: dict[str, int]):
-        """``hf-moe-tp inspect``'s figures at ``lay`` (CP ranks hold what FSDP2 over dp x cp gives them)."""
+    def inspection(self, lay: dict[str, int], dtype: torch.dtype | None = None):
+        """``hf-moe-tp inspect``'s figures at ``lay`` with the parameters in ``dtype`` (CP ranks hold what FSDP2
+        over dp x cp gives them)."""
         from .inspection import inspect_checkpoint
 
-        key = (lay["tp"], lay["ep"], lay["fsdp"] * lay["cp"], lay["dp_replicate"])
+        key = (lay["tp"], lay["ep"], lay["fsdp"] * lay["cp"], lay["dp_replicate"], dtype)
         if key not in self._inspections:
             self._inspections[key] = inspect_checkpoint(self.path, key[0], fsdp=key[2],
-                                                        ep=key[1] if key[1] > 1 else None, dp_replicate=key[3])
+                                                        ep=key[1] if key[1] > 1 else None, dp_replicate=key[3],
+                                                        dtype=dtype)
         return self._inspections[key]
 
     def estimate(self, lay: dict[str, int], cluster: Cluster, job: Job) -> Candidate:
         """The busiest rank's bytes at layout ``lay`` (tp, ep, cp, fsdp, dp_replicate) for ``job``."""
         try:
-            found = self.inspection(lay)
+            found = self.inspection(lay, torch.float32 if job.master_float32 else job.dtype)
         except (ValueError, NotImplementedError) as e:  # a layout the library refuses
             return Candidate(lay, False, why=f"refused: {str(e).splitlines()[0][:160]}")
         return _estimate(lay, lay["tp"] > 1 and job.training, found, self.shape, job, cluster, self.largest_unit,
@@ -163,8 +165,7 @@ class Model:
 def _estimate(lay: dict, sp: bool, found, shape: Shape, job: Job, cluster: Cluster, largest_unit: float,
               eager: bool) -> Candidate:
     compute = job.dtype.itemsize
-    held = max(found.rank_bytes)  # float32: the meta model is built in the default dtype
-    weights = held * (4 if job.master_float32 else compute) // 4
+    weights = max(found.rank_bytes)  # in the job's dtype (float32-kept parameters in float32)
     c = Candidate(lay, sp, read_bytes=max(found.rank_disk_bytes or [0]))
     if job.training:
         state = {"adamw": 2, "sgd": 1, "none": 0}[job.optimizer]
@@ -172,7 +173,8 @@ def _estimate(lay: dict, sp: bool, found, shape: Shape, job: Job, cluster: Clust
         c.memory["gradients"] = weights
         c.memory["optimizer"] = state * weights
         if lay["fsdp"] * lay["cp"] > 1:  # two layers gathered in compute dtype
-            c.memory["fsdp buffers"] = int(2 * largest_unit * held * lay["fsdp"] * lay["cp"] * compute / 4)
+            c.memory["fsdp buffers"] = int(2 * largest_unit * weights * lay["fsdp"] * lay["cp"] * compute
+                                           / found.dtype_bytes)
         split = Split(tp=lay["tp"], ep=lay["ep"], cp=lay["cp"], sequence_parallel=sp, checkpointing=job.checkpointing)
         c.memory["activations"] = saved_bytes(shape, split, job.seq_len, compute, job.micro_batch, scores=eager)
         c.memory["backward peak"] = backward_peak_bytes(shape, split, job.seq_len, job.micro_batch, scores=eager)
