@@ -59,18 +59,22 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def _saved_on_rank(paths: dict[str, str], layouts: dict[str, dict]) -> dict:
-    """Per (family, layout, dtype): the bytes this rank's training forward saves, weights excluded."""
-    out = {}
+def _each_load(paths: dict[str, str], layouts: dict[str, dict], seq: int):
+    """(family, layout, dtype), the model loaded there in training mode and a sequence of ``seq`` token ids, for
+    every family, layout and dtype (fp32, bf16)."""
     for family, path in paths.items():
         for name, kwargs in layouts.items():
             for dtype in (torch.float32, torch.bfloat16):
                 model = hf_moe_tp.from_pretrained(path, dtype=dtype, attn_implementation=ATTENTION[family],
                                                   **kwargs).train()
-                ids = torch.randint(0, model.config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
-                out[family, name, str(dtype)] = measured_saved(lambda m=model, x=ids: m(x, labels=x).loss, model)
-                del model
-    return out
+                ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+                yield (family, name, str(dtype)), model, ids
+
+
+def _saved_on_rank(paths: dict[str, str], layouts: dict[str, dict]) -> dict:
+    """Per (family, layout, dtype): the bytes this rank's training forward saves, weights excluded."""
+    return {key: measured_saved(lambda m=model, x=ids: m(x, labels=x).loss, model)
+            for key, model, ids in _each_load(paths, layouts, SEQ)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -98,22 +102,16 @@ def _peak_rise(paths: dict[str, str], layouts: dict[str, dict], seq: int) -> dic
     from bench.train import peak_rise_bytes
 
     out = {}
-    for family, path in paths.items():
-        for name, kwargs in layouts.items():
-            for dtype in (torch.float32, torch.bfloat16):
-                model = hf_moe_tp.from_pretrained(path, dtype=dtype, attn_implementation=ATTENTION[family],
-                                                  **kwargs).train()
-                ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
-                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for key, model, ids in _each_load(paths, layouts, seq):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-                def step(m=model, x=ids, o=optimizer):
-                    m(x, labels=x).loss.backward()
-                    o.step()
-                    o.zero_grad(set_to_none=True)
+        def step(m=model, x=ids, o=optimizer):
+            m(x, labels=x).loss.backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
 
-                step()
-                out[family, name, str(dtype)] = peak_rise_bytes(step)
-                del model, optimizer
+        step()
+        out[key] = peak_rise_bytes(step)
     return out
 
 
