@@ -21,6 +21,8 @@ from transformers import GenerationConfig, PreTrainedModel
 from model_patches import meta_model
 
 from ._compat import MODEL_TP_PLAN
+from .auto_layout import choose as choose_layout
+from .auto_layout import refuse_beside
 from .checkpoint.files import Checkpoint
 from .checkpoint.fp8 import keep_fp8_weights, place_scales
 from .checkpoint.loading import LoadReport, load_checkpoint
@@ -76,6 +78,10 @@ def from_pretrained(
     ``DistributedConfig`` or accelerate's ``ParallelismConfig`` too); given with any of its fields as keywords, it is
     refused naming each.
 
+    ``layout="auto"`` (or a :class:`hf_moe_tp.cli.planning.Job` for training or another job): the layout
+    ``hf-moe-tp plan`` ranks first for the job's ranks and devices (:mod:`hf_moe_tp.auto_layout`), printed on rank 0;
+    refused on every rank, with the smallest cluster that would do, when none fits, and refused beside any size.
+
     The steps: :func:`resolve_arguments`, :func:`make_layout`, :func:`build_meta_model`,
     :func:`hf_moe_tp.parallel.plans.make_plan`, :func:`place`, :func:`read`, :func:`add_behaviours`.
 
@@ -94,6 +100,12 @@ def from_pretrained(
     Failures never leave a rank waiting: whatever fails on any rank (a bad file, a read error on one rank, a
     mesh that leaves this rank out), every rank raises :class:`LoadError` naming each failed rank's error.
     """
+    layout = kwargs.pop("layout", None)
+    if layout is not None:  # the planner's choice, agreed by every rank, becomes the split keywords
+        refuse_beside({**kwargs, "parallel_config": parallel_config, "device_mesh": device_mesh})
+        if init_process_group(kwargs.get("timeout") or DEFAULT_TIMEOUT_S):  # ours: its meshes bounded as below
+            kwargs.setdefault("timeout", DEFAULT_TIMEOUT_S)
+        kwargs |= choose_layout(path, layout, _as_dtype(dtype), kwargs.get("timeout") or DEFAULT_TIMEOUT_S)
     settings = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTINGS}
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in OPTIONS}
     hf_kwargs = kwargs
@@ -127,6 +139,14 @@ def from_pretrained(
             checkpoint.close()
     agree(error)
     return model.eval()
+
+
+def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``dtype`` as a torch dtype, where it names one (``"auto"`` and ``None`` leave the planner its default)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return getattr(torch, dtype) if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype) \
+        else None
 
 
 def resolve_arguments(parallel_config: ParallelConfig | None = None, hf_kwargs: dict[str, Any] | None = None,

@@ -230,3 +230,51 @@ def test_plan_of_a_671b_config_on_a_laptop(tmp_path, capsys):
     listed = json.loads(capsys.readouterr().out)
     assert [c["name"] for c in listed] == [c.name() for c in candidates]
     assert listed[0]["total"] == best.total <= Cluster(32).usable() < 80 * GIB
+
+
+def _auto(path: str, layout) -> dict:
+    """What from_pretrained(layout=...) chose on this rank, and its logits; or the error it raised."""
+    try:
+        model = hf_moe_tp.from_pretrained(path, layout=layout)
+    except ValueError as e:
+        return {"error": str(e)}
+    state = model.hf_moe_tp
+    ids = torch.arange(1, 17).reshape(1, 16)
+    with torch.no_grad():
+        logits = model(ids).logits
+    sizes = {name: getattr(state.layout, name).size() if getattr(state.layout, name) is not None else 1
+             for name in ("tp", "ep", "dp", "cp")}
+    return {"sizes": sizes, "logits": logits}
+
+
+def test_layout_auto_loads_the_plans_first_layout(ranks, checkpoints):
+    """``from_pretrained(path, layout="auto")`` on 2 ranks loads at the layout the planner ranks first for 2 ranks
+    of this machine's memory (inference: one replica per rank), the same on both, and computes one process's
+    logits (fp32, 1e-5)."""
+    import os
+
+    from hf_moe_tp.cli.planning import choose
+
+    path = checkpoints["mixtral"]
+    got = ranks(2).run(_auto, path, "auto")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2  # a CPU rank's share of this machine
+    best = choose(path, Cluster(2, 2, memory), Job(training=False, kv_tokens=4096, dtype=torch.float32))["layout"]
+    want_sizes = {"tp": best["tp"], "ep": best["ep"], "dp": best["fsdp"] * best["dp_replicate"], "cp": best["cp"]}
+    assert got[0]["sizes"] == want_sizes, (got[0]["sizes"], best)
+    ref = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        want = ref(torch.arange(1, 17).reshape(1, 16)).logits
+    assert got[0]["sizes"] == got[1]["sizes"]
+    assert all((r["logits"] - want).abs().max() <= 1e-5 for r in got)
+
+
+def test_layout_auto_refuses_when_nothing_fits(ranks, checkpoints):
+    """A job no layout of the ranks holds is refused on every rank, naming the nearest layout and why."""
+    job = Job(training=True, seq_len=2**26)  # 64M tokens: terabytes of activations
+    got = ranks(2).run(_auto, checkpoints["mixtral"], job)
+    assert got[0] == got[1] and "no layout of 2 ranks fits" in got[0]["error"], got[0]
+
+
+def test_layout_auto_takes_no_size_beside_it(checkpoints):
+    with pytest.raises(ValueError, match=r"layout=\.\.\. chooses the layout; it cannot take fsdp_size"):
+        hf_moe_tp.from_pretrained(checkpoints["mixtral"], layout="auto", fsdp_size=2)

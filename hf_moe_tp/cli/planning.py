@@ -247,3 +247,37 @@ def print_plan(candidates: list[Candidate], cluster: Cluster, job: Job) -> None:
 
 def _gib(n: int) -> str:
     return f"{n / GIB:.2f}"
+
+
+def choose(path: str | Path, cluster: Cluster, job: Job) -> dict:
+    """The best fitting layout (:func:`plan`'s first) as ``from_pretrained(layout=...)`` takes it, or ``{"error":
+    ...}`` saying why none fits and the smallest cluster (in whole nodes, up to 64) where one would."""
+    candidates = plan(path, cluster, job)
+    best = candidates[0] if candidates and candidates[0].fits else None
+    if best is not None:
+        return {"layout": best.layout, "sequence_parallel": best.sequence_parallel, "name": best.name(),
+                "total": best.total, "usable": cluster.usable()}
+    nearest = min((c for c in candidates if not c.why.startswith("refused")), key=lambda c: c.total, default=None)
+    why = f"no layout of {cluster.gpus} ranks fits: " + (f"the nearest, {nearest.name()}, {nearest.why}" if nearest
+                                                         else "every layout is refused")
+    node = cluster.gpus_per_node
+    for nodes in (1, 2, 4, 8, 16, 32, 64):
+        gpus = nodes * node
+        if gpus > cluster.gpus and any(c.fits for c in plan(path, Cluster(gpus, node, cluster.gpu_memory), job)):
+            return {"error": f"{why}; {gpus} GPUs of {cluster.gpu_memory / GIB:.1f} GiB would fit"}
+    return {"error": f"{why}; no cluster up to {64 * node} such GPUs would"}
+
+
+if __name__ == "__main__":  # from_pretrained(layout=...)'s planner, in a process of its own
+    import json
+    import sys
+
+    from transformers import AutoConfig
+
+    asked = json.loads(sys.argv[1])
+    dtype = asked["job"]["dtype"]
+    if dtype == "auto":  # the checkpoint's, as from_pretrained(dtype="auto") loads it
+        dtype = str(getattr(AutoConfig.from_pretrained(asked["path"]), "dtype", None) or "float32")
+    fields = dict(asked["job"], dtype=getattr(torch, dtype.removeprefix("torch.")))
+    chosen = choose(asked["path"], Cluster(asked["gpus"], asked["gpus_per_node"], asked["gpu_memory"]), Job(**fields))
+    print(json.dumps(chosen))
