@@ -191,14 +191,19 @@ def test_the_layouts_tried_cover_a_node_and_the_cluster():
     assert {lay["tp"] for lay in inference} == {1, 2, 4, 8}  # 8 heads: TP 16 would split none
 
 
-def test_plan_on_the_command_line(checkpoints, capsys):
-    """``hf-moe-tp plan`` on a checkpoint: exit 0 and the best layout when one fits, exit 1 when none does; each
+def test_plan_on_the_command_line(checkpoints, capsys, tmp_path):
+    """``hf-moe-tp plan`` on a checkpoint: exit 0 and the best layout when one fits, exit 1 when none does; a
+    picture with ``--plot``; each
     JSON total is the sum of its terms and the bytes read at load are inspect's (the loader's read map)."""
     from hf_moe_tp.cli.inspection import inspect_checkpoint
 
     path = checkpoints["mixtral"]
     assert main(["plan", path, "--gpus", "4", "--gpus-per-node", "4", "--gpu-memory", "0.001"]) == 1
     assert "no layout fits" in capsys.readouterr().out
+    picture = tmp_path / "plan.png"
+    assert main(["plan", path, "--gpus", "4", "--gpus-per-node", "4", "--plot", str(picture)]) == 0
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000
+    capsys.readouterr()
     assert main(["plan", path, "--gpus", "4", "--gpus-per-node", "4", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert listed[0]["fits"] and all(c["total"] == sum(c["memory"].values()) for c in listed)

@@ -66,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="attention without a fused kernel, which keeps its scores (default: flash / sdpa's "
                          "memory-efficient kernel where the family has one)")
     planner.add_argument("--json", action="store_true", help="print the plan as JSON")
+    planner.add_argument("--plot", metavar="FILE", help="also draw memory per rank by layout against the device's "
+                         "memory into FILE (.png, .svg, .pdf; needs matplotlib)")
 
     generate = commands.add_parser(
         "generate", help="generate from a checkpoint, tensor-parallel (greedy, or sampled with --sample)",
@@ -132,7 +134,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .planning import GIB, Cluster, Job, as_json, plan, print_plan
+    from .planning import GIB, Cluster, Job, as_json, plan, plot_plan, print_plan
 
     cluster = Cluster(args.gpus, args.gpus_per_node, int(args.gpu_memory * GIB))
     job = Job(training=not args.inference, seq_len=args.seq_len, micro_batch=args.micro_batch,
@@ -144,4 +146,6 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps(as_json(candidates), indent=1))
     else:
         print_plan(candidates, cluster, job)
+    if args.plot:
+        plot_plan(candidates, cluster, args.plot)
     return 0 if any(c.fits for c in candidates) else 1

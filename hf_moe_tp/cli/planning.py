@@ -245,6 +245,36 @@ def print_plan(candidates: list[Candidate], cluster: Cluster, job: Job) -> None:
           "no layout fits: more GPUs, activation checkpointing, a shorter sequence or a smaller micro-batch")
 
 
+def plot_plan(candidates: list[Candidate], cluster: Cluster, out: str | Path) -> None:
+    """The plan as a picture at ``out``: a bar per layout, its busiest rank's GiB stacked by term, beside the
+    device's memory and the usable line (matplotlib: ``pip install matplotlib``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError("hf-moe-tp plan --plot draws with matplotlib: pip install matplotlib") from e
+    shown = [c for c in candidates if not c.why.startswith("refused")]
+    terms = list(dict.fromkeys(t for c in shown for t in c.memory))
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(shown) + 1.5))
+    names = [c.name() for c in shown]
+    left = [0.0] * len(shown)
+    for term in terms:
+        sizes = [c.memory.get(term, 0) / GIB for c in shown]
+        ax.barh(names, sizes, left=left, label=term)
+        left = [a + b for a, b in zip(left, sizes, strict=True)]
+    ax.axvline(cluster.usable() / GIB, color="black", linestyle="--", label="usable per rank")
+    ax.axvline(cluster.gpu_memory / GIB, color="red", label="device memory")
+    ax.invert_yaxis()
+    ax.set_xlabel("GiB on the busiest rank")
+    ax.set_title(f"{cluster.gpus} GPUs: memory per rank by layout")
+    ax.legend(fontsize="small", loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
 def _gib(n: int) -> str:
     return f"{n / GIB:.2f}"
 
