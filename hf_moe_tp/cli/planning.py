@@ -107,7 +107,7 @@ def _powers(n: int) -> list[int]:
 
 def plan(path: str | Path, cluster: Cluster, job: Job) -> list[Candidate]:
     """Every candidate layout of the model at ``path`` (a checkpoint or a config alone) on ``cluster`` for ``job``,
-    fitting ones first, each group by its busiest rank's bytes."""
+    in :func:`rank_key`'s order."""
     model = Model(path)
     out = [model.estimate(lay, cluster, job) for lay in layouts(cluster, model.shape, job)]
     return sorted(out, key=lambda c: rank_key(c, cluster))
