@@ -144,6 +144,41 @@ def test_a_training_step_peaks_below_the_plan(ranks, checkpoints, world):
     assert off == {}, off
 
 
+def _generate_rise(paths: dict[str, str], seq: int) -> dict:
+    """Per (family, dtype): the highest rise of live tensor bytes while generating 4 tokens after a prompt of
+    ``seq``: the KV cache and the prefill's intermediates."""
+    from bench.train import peak_rise_bytes
+
+    out = {}
+    for family, path in paths.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            model = hf_moe_tp.from_pretrained(path, dtype=dtype, attn_implementation=ATTENTION[family])
+            ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+            model.generate(ids, max_new_tokens=1, do_sample=False)  # the first call's one-off allocations
+            out[family, str(dtype)] = peak_rise_bytes(lambda m=model, x=ids: m.generate(x, max_new_tokens=4,
+                                                                                      do_sample=False))
+            del model
+    return out
+
+
+def test_generation_peaks_below_the_plan(ranks, checkpoints):
+    """At TP 2, the plan's KV cache and prefill term bound what generating after a 1024-token prompt adds on the
+    busiest rank, Mixtral and DeepSeek-V3 (eager), fp32 and bf16, within 1.5x (1.08-1.37x here, 2026-12-06)."""
+    paths = {f: checkpoints[f] for f in ("mixtral", "deepseek_v3")}
+    per_rank = ranks(2).run(_generate_rise, paths, 1024)
+    off = {}
+    for key in per_rank[0]:
+        family, dtype = key
+        got = max(r[key] for r in per_rank)
+        job = Job(training=False, seq_len=1024, kv_tokens=1028, dtype=getattr(torch, dtype.removeprefix("torch.")),
+                  eager_attention=ATTENTION[family] == "eager")
+        memory = Model(paths[family]).estimate(dict(tp=2, ep=1, cp=1, fsdp=1, dp_replicate=1), Cluster(2, 2), job)
+        want = memory.memory["kv cache"] + memory.memory["activations"]
+        if not got <= want <= 1.5 * got:
+            off[key] = round(want / got, 3)
+    assert off == {}, off
+
+
 def _held_after_a_step(path: str, kwargs: dict, dtype: torch.dtype) -> dict:
     """This rank's local bytes of parameters, gradients and AdamW's moments after one step."""
     model = hf_moe_tp.from_pretrained(path, dtype=dtype, **kwargs).train()

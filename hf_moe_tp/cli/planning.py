@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..parallel.activations import Shape, Split, backward_peak_bytes, saved_bytes
+from ..parallel.activations import Shape, Split, backward_peak_bytes, forward_peak_bytes, saved_bytes
 
 GIB = 2**30
 CONTEXT_BYTES = GIB  # the CUDA context, NCCL's buffers and the allocator's slack, per device (errs high)
@@ -181,8 +181,8 @@ def _estimate(lay: dict, sp: bool, found, shape: Shape, job: Job, cluster: Clust
     else:
         c.memory["weights"] = weights
         c.memory["kv cache"] = _kv_bytes(shape, job, lay["tp"])
-        c.memory["activations"] = saved_bytes(shape, Split(tp=lay["tp"], ep=lay["ep"]), job.seq_len, compute,
-                                              scores=eager) // max(1, shape.layers)
+        c.memory["activations"] = forward_peak_bytes(shape, Split(tp=lay["tp"], ep=lay["ep"]), job.seq_len, compute,
+                                                     scores=eager)
     usable = cluster.usable()
     c.fits = c.total <= usable
     if not c.fits:

@@ -16,6 +16,7 @@ saved input), it counts the larger choice: the estimate errs high, and
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -141,3 +142,14 @@ def backward_peak_bytes(shape: Shape, split: Split, seq_len: int, micro_batch: i
     logits = 2 * local * shape.vocab * 4
     attention = 2 * shape.heads / split.tp * seq_len * local * 4 if scores else 0
     return int(math.ceil(max(logits, attention)))
+
+
+def forward_peak_bytes(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, micro_batch: int = 1,
+                       scores: bool = False) -> int:
+    """What a forward without gradients (a prefill of ``seq_len`` tokens) holds at most beside the weights and
+    the cache: one decoder layer's intermediates (as many as its training forward saves), and where attention
+    keeps its scores, a second copy of them (the float32 scores and their softmax live together)."""
+    one = dataclasses.replace(shape, layers=1, moe_layers=min(1, shape.moe_layers), vocab=0)
+    layer = saved_bytes(one, split, seq_len, dtype_bytes, micro_batch, scores)
+    local = micro_batch * seq_len / split.cp
+    return int(math.ceil(layer + (shape.heads / split.tp * seq_len * local * 4 if scores else 0)))
