@@ -103,6 +103,10 @@ MODEL_IGNORE_ON_LOAD = "_keys_to_ignore_on_load_unexpected"
 MODEL_IGNORE_ON_SAVE = "_keys_to_ignore_on_save"
 MODEL_WEIGHT_CONVERSIONS = "_weight_conversions"
 EXPERTS_APPLY_GATE = "_apply_gate"
+# which attention kernels a model class supports (the planner: a class with neither attends eagerly)
+MODEL_SUPPORTS_SDPA, MODEL_SUPPORTS_FLASH = "_supports_sdpa", "_supports_flash_attn"
+# torch's nn.Module: the names of its buffers no state dict holds (the meta build fills them)
+MODULE_NON_PERSISTENT_BUFFERS = "_non_persistent_buffers_set"
 # DTensor's torch DCP protocol (save: write items; load: chunk list, then the view of each chunk), which
 # hf_moe_tp.parallel.boxes.checkpoint_pieces extends to local tensors of several pieces (torch 2.13, 2.14)
 DCP_HOOKS = ("__create_write_items__", "__create_chunk_list__", "__get_tensor_shard__")

@@ -27,7 +27,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2CLS
 
-from hf_moe_tp._compat import EXPERTS_APPLY_GATE, default_apply_gate, from_config
+from hf_moe_tp._compat import EXPERTS_APPLY_GATE, MODULE_NON_PERSISTENT_BUFFERS, default_apply_gate, from_config
 from hf_moe_tp.checkpoint.expert_sources import SourceRules
 from hf_moe_tp.parallel.experts import ExpertActivation, ExpertLayout, GroupedExperts
 from hf_moe_tp.parallel.model_state import state_of
@@ -144,7 +144,7 @@ def real_buffers(model: nn.Module) -> None:
             if b is not None and b.is_meta:
                 module._buffers[attr] = torch.full_like(b, _unset(b.dtype), device="cpu")
                 any_meta = True
-                if attr in module._non_persistent_buffers_set:
+                if attr in getattr(module, MODULE_NON_PERSISTENT_BUFFERS):
                     non_persistent.append(f"{name}.{attr}" if name else attr)
     if not any_meta:
         return

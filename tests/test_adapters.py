@@ -9,6 +9,7 @@ from families import configs
 from transformers import AutoModelForCausalLM
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
+from hf_moe_tp._compat import MODULE_NON_PERSISTENT_BUFFERS
 from model_patches import ExpertSwap, meta_model
 
 
@@ -71,7 +72,8 @@ def test_buffers_are_transformers_for_every_family():
         torch.manual_seed(0)
         theirs = cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
         ours = meta_model(config, cls)
-        kept = {f"{n}.{a}".lstrip(".") for n, m in ours.named_modules() for a in m._non_persistent_buffers_set}
+        kept = {f"{n}.{a}".lstrip(".") for n, m in ours.named_modules()
+                for a in getattr(m, MODULE_NON_PERSISTENT_BUFFERS)}
         for name, want in theirs.named_buffers():
             mine = ours.get_buffer(name)
             same = mine.dtype == want.dtype and mine.device.type == "cpu" and torch.equal(mine, want)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .._compat import MODEL_SUPPORTS_FLASH, MODEL_SUPPORTS_SDPA
 from ..parallel.activations import Shape, Split, backward_peak_bytes, forward_peak_bytes, saved_bytes
 
 GIB = 2**30
@@ -137,7 +138,7 @@ class Model:
         self.shape = Shape.from_config(config, model)
         self.largest_unit = _largest_unit_share(model)
         cls = type(model)  # no fused attention kernel: eager attention keeps its scores
-        self.eager = not getattr(cls, "_supports_sdpa", True) and not getattr(cls, "_supports_flash_attn", False)
+        self.eager = not getattr(cls, MODEL_SUPPORTS_SDPA, True) and not getattr(cls, MODEL_SUPPORTS_FLASH, False)
         self._inspections: dict = {}
 
     def inspection(self, lay: dict[str, int], dtype: torch.dtype | None = None):
