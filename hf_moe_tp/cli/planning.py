@@ -68,6 +68,11 @@ class Candidate:
     why: str = ""
 
     @property
+    def refused(self) -> bool:
+        """Whether the library refuses this layout for the model (no figures then)."""
+        return self.why.startswith("refused")
+
+    @property
     def total(self) -> int:
         """The busiest rank's bytes, all terms."""
         return sum(self.memory.values())
@@ -109,9 +114,7 @@ def _powers(n: int) -> list[int]:
 def plan(path: str | Path, cluster: Cluster, job: Job) -> list[Candidate]:
     """Every candidate layout of the model at ``path`` (a checkpoint or a config alone) on ``cluster`` for ``job``,
     in :func:`rank_key`'s order."""
-    model = Model(path)
-    out = [model.estimate(lay, cluster, job) for lay in layouts(cluster, model.shape, job)]
-    return sorted(out, key=lambda c: rank_key(c, cluster))
+    return Model(path).plan(cluster, job)
 
 
 def rank_key(c: Candidate, cluster: Cluster) -> tuple:
@@ -119,7 +122,7 @@ def rank_key(c: Candidate, cluster: Cluster) -> tuple:
     least communication in each step, the most replicas), then the least memory. Layouts that do not fit follow,
     the nearest to fitting first; refused ones last."""
     group = c.layout["tp"] * c.layout["cp"]
-    return (not c.fits, c.why.startswith("refused"), group > cluster.gpus_per_node,
+    return (not c.fits, c.refused, group > cluster.gpus_per_node,
             group if c.fits else 0, c.total)
 
 
@@ -153,6 +156,11 @@ class Model:
                                                         dtype=dtype)
         return self._inspections[key]
 
+    def plan(self, cluster: Cluster, job: Job) -> list[Candidate]:
+        """:func:`plan` of this model (built once, however many clusters it is planned for)."""
+        out = [self.estimate(lay, cluster, job) for lay in layouts(cluster, self.shape, job)]
+        return sorted(out, key=lambda c: rank_key(c, cluster))
+
     def estimate(self, lay: dict[str, int], cluster: Cluster, job: Job) -> Candidate:
         """The busiest rank's bytes at layout ``lay`` (tp, ep, cp, fsdp, dp_replicate) for ``job``."""
         try:
@@ -167,10 +175,9 @@ def _estimate(lay: dict, sp: bool, found, shape: Shape, job: Job, cluster: Clust
               eager: bool) -> Candidate:
     compute = job.dtype.itemsize
     weights = max(found.rank_bytes)  # in the job's dtype (float32-kept parameters in float32)
-    c = Candidate(lay, sp, read_bytes=max(found.rank_disk_bytes or [0]))
+    c = Candidate(lay, sp, {"weights": weights}, read_bytes=max(found.rank_disk_bytes or [0]))
     if job.training:
         state = {"adamw": 2, "sgd": 1, "none": 0}[job.optimizer]
-        c.memory["weights"] = weights
         c.memory["gradients"] = weights
         c.memory["optimizer"] = state * weights
         if lay["fsdp"] * lay["cp"] > 1:  # two layers gathered in compute dtype
@@ -180,7 +187,6 @@ def _estimate(lay: dict, sp: bool, found, shape: Shape, job: Job, cluster: Clust
         c.memory["activations"] = saved_bytes(shape, split, job.seq_len, compute, job.micro_batch, scores=eager)
         c.memory["backward peak"] = backward_peak_bytes(shape, split, job.seq_len, job.micro_batch, scores=eager)
     else:
-        c.memory["weights"] = weights
         c.memory["kv cache"] = _kv_bytes(shape, job, lay["tp"])
         c.memory["activations"] = forward_peak_bytes(shape, Split(tp=lay["tp"], ep=lay["ep"]), job.seq_len, compute,
                                                      scores=eager)
@@ -229,14 +235,13 @@ def print_plan(candidates: list[Candidate], cluster: Cluster, job: Job) -> None:
         f"inference, {job.kv_tokens} tokens of KV cache per replica, {str(job.dtype).removeprefix('torch.')}"
     print(f"{cluster.gpus} GPUs ({cluster.gpus_per_node} per node, {cluster.gpu_memory / GIB:.0f} GiB each; "
           f"{cluster.usable() / GIB:.1f} GiB usable per rank), {kind}")
-    terms = list(dict.fromkeys(t for c in candidates for t in c.memory))
+    shown = [c for c in candidates if not c.refused]
+    terms = list(dict.fromkeys(t for c in shown for t in c.memory))
     head = ["layout", *terms, "total", "read at load"]
-    rows = [[c.name(), *[_gib(c.memory.get(t, 0)) for t in terms], _gib(c.total), _gib(c.read_bytes)]
-            for c in candidates if not c.why.startswith("refused")]
+    rows = [[c.name(), *[_gib(c.memory.get(t, 0)) for t in terms], _gib(c.total), _gib(c.read_bytes)] for c in shown]
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
-    fits = [c for c in candidates if not c.why.startswith("refused")]
     print("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)) + "  fits")
-    for c, row in zip(fits, rows, strict=True):
+    for c, row in zip(shown, rows, strict=True):
         print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)) + ("  yes" if c.fits else "  no"))
     for c in candidates:
         if not c.fits:
@@ -256,7 +261,7 @@ def plot_plan(candidates: list[Candidate], cluster: Cluster, out: str | Path) ->
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise ImportError("hf-moe-tp plan --plot draws with matplotlib: pip install matplotlib") from e
-    shown = [c for c in candidates if not c.why.startswith("refused")]
+    shown = [c for c in candidates if not c.refused]
     terms = list(dict.fromkeys(t for c in shown for t in c.memory))
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(shown) + 1.5))
     names = [c.name() for c in shown]
@@ -283,18 +288,19 @@ def _gib(n: int) -> str:
 def choose(path: str | Path, cluster: Cluster, job: Job) -> dict:
     """The best fitting layout (:func:`plan`'s first) as ``from_pretrained(layout=...)`` takes it, or ``{"error":
     ...}`` saying why none fits and the smallest cluster (in whole nodes, up to 64) where one would."""
-    candidates = plan(path, cluster, job)
+    model = Model(path)  # built once for every cluster tried below
+    candidates = model.plan(cluster, job)
     best = candidates[0] if candidates and candidates[0].fits else None
     if best is not None:
         return {"layout": best.layout, "sequence_parallel": best.sequence_parallel, "name": best.name(),
                 "total": best.total, "usable": cluster.usable()}
-    nearest = min((c for c in candidates if not c.why.startswith("refused")), key=lambda c: c.total, default=None)
+    nearest = min((c for c in candidates if not c.refused), key=lambda c: c.total, default=None)
     why = f"no layout of {cluster.gpus} ranks fits: " + (f"the nearest, {nearest.name()}, {nearest.why}" if nearest
                                                          else "every layout is refused")
     node = cluster.gpus_per_node
     for nodes in (1, 2, 4, 8, 16, 32, 64):
         gpus = nodes * node
-        if gpus > cluster.gpus and any(c.fits for c in plan(path, Cluster(gpus, node, cluster.gpu_memory), job)):
+        if gpus > cluster.gpus and any(c.fits for c in model.plan(Cluster(gpus, node, cluster.gpu_memory), job)):
             return {"error": f"{why}; {gpus} GPUs of {cluster.gpu_memory / GIB:.1f} GiB would fit"}
     return {"error": f"{why}; no cluster up to {64 * node} such GPUs would"}
 
