@@ -38,18 +38,36 @@ def device_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local
 
 
-def choose(path: str, layout: Any, dtype: torch.dtype | None, timeout: float) -> dict[str, Any]:
-    """The from_pretrained keywords of the best fitting layout for ``layout`` (``"auto"``: inference with 4096
-    tokens of KV cache; or a :class:`hf_moe_tp.cli.planning.Job`), decided on rank 0 and agreed by every rank."""
-    if not (layout == "auto" or is_dataclass(layout) and type(layout).__name__ == "Job"):
+def job_of(layout: Any) -> dict[str, Any]:
+    """The planner's job for ``layout``: ``"auto"``, inference with 4096 tokens of KV cache; a
+    :class:`hf_moe_tp.cli.planning.Job`, its fields (it describes the run to come: the load takes its dtype, the
+    rest the plan assumes). A Job with ``master_float32`` is refused: the load would not make the float32 master
+    weights it plans."""
+    if layout == "auto":
+        return {"training": False, "kv_tokens": 4096}
+    if not (is_dataclass(layout) and type(layout).__name__ == "Job"):  # by name: the planner lives above the core
         raise ValueError(f"layout={layout!r}: 'auto', or a hf_moe_tp.cli.planning.Job")
+    if layout.master_float32:
+        raise ValueError("layout=Job(master_float32=True): from_pretrained does not make float32 master weights "
+                         "with another compute dtype; plan with hf-moe-tp plan --master-float32, then pass its "
+                         "sizes, dtype=torch.float32 and mp_policy")
+    return asdict(layout)
+
+
+def load_dtype(layout: Any, dtype: Any) -> Any:
+    """The dtype the load takes, so that the plan and the load agree: from_pretrained's, or where it is left
+    ``"auto"`` with a Job, the Job's."""
+    return job_of(layout)["dtype"] if layout != "auto" and dtype == "auto" else dtype
+
+
+def choose(path: str, layout: Any, dtype: Any, timeout: float) -> dict[str, Any]:
+    """The from_pretrained keywords of the best fitting layout for ``layout`` (:func:`job_of`) loaded in ``dtype``
+    (from_pretrained's: a dtype, its name, ``"auto"`` or None), decided on rank 0 and agreed by every rank."""
+    job = job_of(layout)
     world = dist.get_world_size()
     answer: list[Any] = [None]
     if dist.get_rank() == 0:
-        job = {"training": False, "kv_tokens": 4096} if layout == "auto" else asdict(layout)
-        if dtype is not None or layout == "auto":  # from_pretrained's dtype; "auto": the checkpoint's
-            job["dtype"] = dtype or "auto"
-        job["dtype"] = str(job["dtype"]).removeprefix("torch.")
+        job["dtype"] = None if dtype is None else str(dtype)  # resolved by the planner as from_pretrained does
         request = {"path": str(path), "gpus": world, "gpus_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                    "gpu_memory": device_memory(), "job": job}
         done = subprocess.run([sys.executable, "-m", "hf_moe_tp.cli.planning", json.dumps(request)],

@@ -22,7 +22,7 @@ from model_patches import meta_model
 
 from ._compat import MODEL_TP_PLAN
 from .auto_layout import choose as choose_layout
-from .auto_layout import refuse_beside
+from .auto_layout import load_dtype, refuse_beside
 from .checkpoint.files import Checkpoint
 from .checkpoint.fp8 import keep_fp8_weights, place_scales
 from .checkpoint.loading import LoadReport, load_checkpoint
@@ -103,9 +103,10 @@ def from_pretrained(
     layout = kwargs.pop("layout", None)
     if layout is not None:  # the planner's choice, agreed by every rank, becomes the split keywords
         refuse_beside({**kwargs, "parallel_config": parallel_config, "device_mesh": device_mesh})
+        dtype = load_dtype(layout, dtype)  # a layout it refuses: refused here, the same on every rank, no group yet
         if init_process_group(kwargs.get("timeout") or DEFAULT_TIMEOUT_S):  # ours: its meshes bounded as below
             kwargs.setdefault("timeout", DEFAULT_TIMEOUT_S)
-        kwargs |= choose_layout(path, layout, _as_dtype(dtype), kwargs.get("timeout") or DEFAULT_TIMEOUT_S)
+        kwargs |= choose_layout(path, layout, dtype, kwargs.get("timeout") or DEFAULT_TIMEOUT_S)
     settings = {k: kwargs.pop(k) for k in list(kwargs) if k in SETTINGS}
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in OPTIONS}
     hf_kwargs = kwargs
@@ -139,14 +140,6 @@ def from_pretrained(
             checkpoint.close()
     agree(error)
     return model.eval()
-
-
-def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """``dtype`` as a torch dtype, where it names one (``"auto"`` and ``None`` leave the planner its default)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    return getattr(torch, dtype) if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype) \
-        else None
 
 
 def resolve_arguments(parallel_config: ParallelConfig | None = None, hf_kwargs: dict[str, Any] | None = None,

@@ -284,7 +284,7 @@ def _auto(path: str, layout) -> dict:
         logits = model(ids).logits
     sizes = {name: getattr(state.layout, name).size() if getattr(state.layout, name) is not None else 1
              for name in ("tp", "ep", "dp", "cp")}
-    return {"sizes": sizes, "logits": logits}
+    return {"sizes": sizes, "logits": logits, "dtype": str(model.model.embed_tokens.weight.dtype)}
 
 
 def test_layout_auto_loads_the_plans_first_layout(ranks, checkpoints):
@@ -313,6 +313,18 @@ def test_layout_auto_refuses_when_nothing_fits(ranks, checkpoints):
     job = Job(training=True, seq_len=2**26)  # 64M tokens: terabytes of activations
     got = ranks(2).run(_auto, checkpoints["mixtral"], job)
     assert got[0] == got[1] and "no layout of 2 ranks fits" in got[0]["error"], got[0]
+
+
+def test_a_job_layout_loads_in_the_jobs_dtype(ranks, checkpoints):
+    """``layout=Job(dtype=bf16)`` with from_pretrained's dtype left ``"auto"`` loads the fp32 checkpoint in bf16: the
+    dtype the plan was made for, on every rank."""
+    got = ranks(2).run(_auto, checkpoints["mixtral"], Job(training=True, seq_len=64, dtype=torch.bfloat16))
+    assert [r["dtype"] for r in got] == ["torch.bfloat16"] * 2
+
+
+def test_a_job_layout_with_float32_master_weights_is_refused(checkpoints):
+    with pytest.raises(ValueError, match=r"layout=Job\(master_float32=True\): from_pretrained does not make"):
+        hf_moe_tp.from_pretrained(checkpoints["mixtral"], layout=Job(master_float32=True))
 
 
 def test_layout_auto_takes_no_size_beside_it(checkpoints):

@@ -311,10 +311,11 @@ if __name__ == "__main__":  # from_pretrained(layout=...)'s planner, in a proces
 
     from transformers import AutoConfig
 
+    from ..integrations.hf_arguments import torch_dtype
+
     asked = json.loads(sys.argv[1])
-    dtype = asked["job"]["dtype"]
-    if dtype == "auto":  # the checkpoint's, as from_pretrained(dtype="auto") loads it
-        dtype = str(getattr(AutoConfig.from_pretrained(asked["path"]), "dtype", None) or "float32")
-    fields = dict(asked["job"], dtype=getattr(torch, dtype.removeprefix("torch.")))
-    chosen = choose(asked["path"], Cluster(asked["gpus"], asked["gpus_per_node"], asked["gpu_memory"]), Job(**fields))
+    path = asked["path"]  # the dtype from_pretrained will load in ("auto": the checkpoint's; None: float32)
+    dtype = torch_dtype(asked["job"]["dtype"], AutoConfig.from_pretrained(path), Path(path)) or torch.float32
+    fields = dict(asked["job"], dtype=dtype)
+    chosen = choose(path, Cluster(asked["gpus"], asked["gpus_per_node"], asked["gpu_memory"]), Job(**fields))
     print(json.dumps(chosen))
