@@ -138,10 +138,8 @@ def backward_peak_bytes(shape: Shape, split: Split, seq_len: int, micro_batch: i
     """What backward holds for a moment beyond the saved bytes, at most: the loss's float32 gradient of the
     logits (twice: the gradient and the softmax it is computed from), or, where attention keeps its scores, one
     layer's score gradients (float32, twice)."""
-    local = micro_batch * seq_len / split.cp
-    logits = 2 * local * shape.vocab * 4
-    attention = 2 * shape.heads / split.tp * seq_len * local * 4 if scores else 0
-    return int(math.ceil(max(logits, attention)))
+    logits = 2 * micro_batch * seq_len / split.cp * shape.vocab * 4
+    return int(math.ceil(max(logits, 2 * _layer_scores(shape, split, seq_len, micro_batch) if scores else 0)))
 
 
 def forward_peak_bytes(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, micro_batch: int = 1,
@@ -151,5 +149,10 @@ def forward_peak_bytes(shape: Shape, split: Split, seq_len: int, dtype_bytes: in
     keeps its scores, a second copy of them (the float32 scores and their softmax live together)."""
     one = dataclasses.replace(shape, layers=1, moe_layers=min(1, shape.moe_layers), vocab=0)
     layer = saved_bytes(one, split, seq_len, dtype_bytes, micro_batch, scores)
-    local = micro_batch * seq_len / split.cp
-    return int(math.ceil(layer + (shape.heads / split.tp * seq_len * local * 4 if scores else 0)))
+    return int(math.ceil(layer + (_layer_scores(shape, split, seq_len, micro_batch) if scores else 0)))
+
+
+def _layer_scores(shape: Shape, split: Split, seq_len: int, micro_batch: int) -> float:
+    """One layer's attention scores on a rank, in float32: its heads, each query of its tokens against the whole
+    sequence."""
+    return shape.heads / split.tp * seq_len * micro_batch * seq_len / split.cp * 4
