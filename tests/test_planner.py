@@ -84,12 +84,12 @@ def test_saved_activations_are_what_the_model_says(ranks, checkpoints, world):
     activation model predicts, and the prediction is within 1.3x of it."""
     chosen = {name: kwargs for name, (w, kwargs, _) in LAYOUTS.items() if w == world}
     per_rank = ranks(world).run(_saved_on_rank, {f: checkpoints[f] for f in CONFIGS}, chosen)
+    shapes = {f: Shape.from_config(config(), meta_model(config())) for f, config in CONFIGS.items()}
     off = {}
     for key in per_rank[0]:
         family, name, dtype = key
         got = max(r[key] for r in per_rank)
-        shape = Shape.from_config(CONFIGS[family](), meta_model(CONFIGS[family]()))
-        want = saved_bytes(shape, LAYOUTS[name][2], SEQ, getattr(torch, dtype.removeprefix("torch.")).itemsize,
+        want = saved_bytes(shapes[family], LAYOUTS[name][2], SEQ, getattr(torch, dtype.removeprefix("torch.")).itemsize,
                            scores=ATTENTION[family] == "eager")
         if not got <= want <= HIGH * got:
             off[key] = round(want / got, 3)
@@ -131,13 +131,14 @@ def test_a_training_step_peaks_below_the_plan(ranks, checkpoints, world):
     paths = {f: checkpoints[f] for f in ("mixtral", "deepseek_v3")}
     seq = 1024
     per_rank = ranks(world).run(_peak_rise, paths, {n: kw for n, (_, kw) in chosen.items()}, seq)
+    models = {f: Model(path) for f, path in paths.items()}
     off = {}
     for key in per_rank[0]:
         family, name, dtype = key
         got = max(r[key] for r in per_rank)
         job = Job(seq_len=seq, dtype=getattr(torch, dtype.removeprefix("torch.")),
                   eager_attention=ATTENTION[family] == "eager")
-        memory = Model(paths[family]).estimate(chosen[name][0], Cluster(world, world), job).memory
+        memory = models[family].estimate(chosen[name][0], Cluster(world, world), job).memory
         want = sum(v for term, v in memory.items() if term not in ("weights", "optimizer"))
         if not 0.95 * got <= want <= 1.5 * got:
             off[key] = round(want / got, 3)
@@ -166,13 +167,14 @@ def test_generation_peaks_below_the_plan(ranks, checkpoints):
     busiest rank, Mixtral and DeepSeek-V3 (eager), fp32 and bf16, within 1.5x (1.08-1.37x here, 2026-12-06)."""
     paths = {f: checkpoints[f] for f in ("mixtral", "deepseek_v3")}
     per_rank = ranks(2).run(_generate_rise, paths, 1024)
+    models = {f: Model(path) for f, path in paths.items()}
     off = {}
     for key in per_rank[0]:
         family, dtype = key
         got = max(r[key] for r in per_rank)
         job = Job(training=False, seq_len=1024, kv_tokens=1028, dtype=getattr(torch, dtype.removeprefix("torch.")),
                   eager_attention=ATTENTION[family] == "eager")
-        memory = Model(paths[family]).estimate(dict(tp=2, ep=1, cp=1, fsdp=1, dp_replicate=1), Cluster(2, 2), job)
+        memory = models[family].estimate(dict(tp=2, ep=1, cp=1, fsdp=1, dp_replicate=1), Cluster(2, 2), job)
         want = memory.memory["kv cache"] + memory.memory["activations"]
         if not got <= want <= 1.5 * got:
             off[key] = round(want / got, 3)
