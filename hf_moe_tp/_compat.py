@@ -50,6 +50,8 @@ PRIVATE: dict[str, Private] = {p.path: p for p in (
     Private("torch", "torch.distributed.distributed_c10d:_get_default_store", TORCH,
             "ranks that report a failed collective (CollectiveFailure names the others)",
             "without it: the failure is raised without naming the missing ranks"),
+    Private("torch", "torch.distributed.distributed_c10d:_resolve_process_group", TORCH,
+            "bench/communication.py: the group a functional collective (DTensor's) names, to count its bytes"),
     Private("torch", "torch._C:_current_graph_task_id", TORCH,
             "a forward recomputed for the backward (activation checkpointing) does not count expert load twice",
             "without it: recomputed forwards count again"),
@@ -172,6 +174,11 @@ def _strided_shard_class() -> type:
 def fake_store():
     """A store for torch's ``"fake"`` backend (no communication, no processes)."""
     return resolve("torch.testing._internal.distributed.fake_pg:FakeStore")()
+
+
+def process_group_named(name: str):
+    """The process group a functional collective names (``group_name``)."""
+    return resolve("torch.distributed.distributed_c10d:_resolve_process_group")(name)
 
 
 def clear_dtensor_caches() -> None:

@@ -125,6 +125,12 @@ MUTANTS = (
            (("        attention_split *= 2\n", "        attention_split *= 1\n"),),
            ("tests/test_planner.py::test_saved_activations_are_what_the_model_says[2]",),
            r"AssertionError: \{\('\w+', 'cp2', 'torch\.\w+'\): 0\.\d+"),
+    Mutant("plan-qkv-fused", "the communication model takes q, k and v's backward all-reduces as one (as Megatron "
+           "fuses them; this library issues three): the planner says TP sends a third less than it does",
+           "hf_moe_tp/parallel/communication.py",
+           (("        reduced += 3 * h  # q, k, v", "        reduced += 1 * h  # q, k, v"),),
+           ("tests/test_planner.py::test_bytes_sent_are_what_the_collectives_count[2]",),
+           r"\('mixtral', 'tp2', 'torch\.float32'\): \{'tp': 0\.\d+\}"),
 )
 
 

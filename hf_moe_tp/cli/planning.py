@@ -1,12 +1,14 @@
 """``hf-moe-tp plan``: which layouts of a model fit a cluster, for inference or training, ranked, each with what
-its busiest rank holds and reads.
+its busiest rank holds, reads and sends.
 
 Each candidate layout is placed for real, as ``hf-moe-tp inspect`` places it (the meta model, the plan and FSDP2 on
 a fake process group: the parameter bytes per rank and the bytes each rank's load reads come from the styles'
 placements and the loader's own read map, not from a formula). The rest is a model: gradients and optimizer state
 follow the parameters' shards; activations follow :mod:`hf_moe_tp.parallel.activations` (checked against what
 autograd saves on real ranks); FSDP2 holds two layers gathered (the one computing and the one prefetched); the
-KV cache follows the config; the CUDA context and the allocator's slack take a fixed share off each device. Where
+KV cache follows the config; the bytes sent per training step follow :mod:`hf_moe_tp.parallel.communication`
+(checked against a count of the collectives on real ranks); the CUDA context and the allocator's slack take a
+fixed share off each device. Where
 a term is uncertain it errs high: a plan must not say a layout fits when it does not.
 """
 
@@ -20,6 +22,7 @@ import torch
 
 from .._compat import MODEL_SUPPORTS_FLASH, MODEL_SUPPORTS_SDPA
 from ..parallel.activations import Shape, Split, backward_peak_bytes, forward_peak_bytes, saved_bytes
+from ..parallel.communication import Weights, sent_bytes
 
 GIB = 2**30
 CONTEXT_BYTES = GIB  # the CUDA context, NCCL's buffers and the allocator's slack, per device (errs high)
@@ -64,6 +67,7 @@ class Candidate:
     sequence_parallel: bool
     memory: dict[str, int] = field(default_factory=dict)
     read_bytes: int = 0
+    sent: dict[str, int] = field(default_factory=dict)  # training: bytes sent per step, by group
     fits: bool = False
     why: str = ""
 
@@ -140,6 +144,7 @@ class Model:
         model = meta_model(config)
         self.shape = Shape.from_config(config, model)
         self.largest_unit = _largest_unit_share(model)
+        self.head_share = _head_share(model)
         cls = type(model)  # no fused attention kernel: eager attention keeps its scores
         self.eager = not getattr(cls, MODEL_SUPPORTS_SDPA, True) and not getattr(cls, MODEL_SUPPORTS_FLASH, False)
         self._inspections: dict = {}
@@ -161,14 +166,25 @@ class Model:
         out = [self.estimate(lay, cluster, job) for lay in layouts(cluster, self.shape, job)]
         return sorted(out, key=lambda c: rank_key(c, cluster))
 
-    def estimate(self, lay: dict[str, int], cluster: Cluster, job: Job) -> Candidate:
-        """The busiest rank's bytes at layout ``lay`` (tp, ep, cp, fsdp, dp_replicate) for ``job``."""
+    def estimate(self, lay: dict[str, int], cluster: Cluster, job: Job, sequence_parallel: bool | None = None
+                 ) -> Candidate:
+        """The busiest rank's bytes at layout ``lay`` (tp, ep, cp, fsdp, dp_replicate) for ``job``; sequence
+        parallelism where TP trains unless ``sequence_parallel`` says otherwise."""
         try:
             found = self.inspection(lay, torch.float32 if job.master_float32 else job.dtype)
         except (ValueError, NotImplementedError) as e:  # a layout the library refuses
             return Candidate(lay, False, why=f"refused: {str(e).splitlines()[0][:160]}")
-        return _estimate(lay, lay["tp"] > 1 and job.training, found, self.shape, job, cluster, self.largest_unit,
-                         self.eager or job.eager_attention)
+        sp = lay["tp"] > 1 and job.training if sequence_parallel is None else sequence_parallel
+        c = _estimate(lay, sp, found, self.shape, job, cluster, self.largest_unit,
+                      self.eager or job.eager_attention)
+        if job.training:
+            held, shard = c.memory["weights"], lay["fsdp"] * lay["cp"]
+            weights = Weights(held, int(held * shard * (1 - self.head_share)), self.largest_unit)
+            split = Split(tp=lay["tp"], ep=lay["ep"], cp=lay["cp"], sequence_parallel=c.sequence_parallel)
+            c.sent = sent_bytes(self.shape, split, job.seq_len, job.dtype.itemsize, weights, fsdp=lay["fsdp"],
+                                dp_replicate=lay["dp_replicate"], micro_batch=job.micro_batch,
+                                weight_bytes=4 if job.master_float32 else job.dtype.itemsize)
+        return c
 
 
 def _estimate(lay: dict, sp: bool, found, shape: Shape, job: Job, cluster: Cluster, largest_unit: float,
@@ -217,6 +233,14 @@ def _largest_unit_share(model) -> float:
     return max(units, default=total) / total
 
 
+def _head_share(model) -> float:
+    """The output head's share of the parameters (0 where it is the embedding, tied)."""
+    params = {id(p): p for p in model.parameters()}
+    head = {id(p) for n, p in model.named_parameters() if n.startswith("lm_head")}
+    embedded = {id(p) for n, p in model.named_parameters() if "embed_tokens" in n}
+    return sum(params[i].numel() for i in head - embedded) / sum(p.numel() for p in params.values())
+
+
 def _is_layer(name: str) -> bool:
     head, _, index = name.rpartition(".")
     return head.endswith("layers") and index.isdigit()
@@ -224,7 +248,7 @@ def _is_layer(name: str) -> bool:
 
 def as_json(candidates: list[Candidate]) -> list[dict]:
     """The plan for scripts: one object per layout, bytes as integers."""
-    return [dict(asdict(c), name=c.name(), total=c.total) for c in candidates]
+    return [dict(asdict(c), name=c.name(), total=c.total, sent_total=sum(c.sent.values())) for c in candidates]
 
 
 def print_plan(candidates: list[Candidate], cluster: Cluster, job: Job) -> None:
@@ -235,10 +259,14 @@ def print_plan(candidates: list[Candidate], cluster: Cluster, job: Job) -> None:
         f"inference, {job.kv_tokens} tokens of KV cache per replica, {str(job.dtype).removeprefix('torch.')}"
     print(f"{cluster.gpus} GPUs ({cluster.gpus_per_node} per node, {cluster.gpu_memory / GIB:.0f} GiB each; "
           f"{cluster.usable() / GIB:.1f} GiB usable per rank), {kind}")
+    if job.training:
+        print("GiB on the busiest rank; 'sent': GiB it sends per step over each group (ring algorithm)")
     shown = [c for c in candidates if not c.refused]
     terms = list(dict.fromkeys(t for c in shown for t in c.memory))
-    head = ["layout", *terms, "total", "read at load"]
-    rows = [[c.name(), *[_gib(c.memory.get(t, 0)) for t in terms], _gib(c.total), _gib(c.read_bytes)] for c in shown]
+    sends = list(dict.fromkeys(g for c in shown for g in c.sent))
+    head = ["layout", *terms, "total", "read at load", *(f"sent {g}" for g in sends)]
+    rows = [[c.name(), *[_gib(c.memory.get(t, 0)) for t in terms], _gib(c.total), _gib(c.read_bytes),
+             *[_gib(c.sent.get(g, 0)) for g in sends]] for c in shown]
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     print("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)) + "  fits")
     for c, row in zip(shown, rows, strict=True):
