@@ -12,9 +12,7 @@ a fake process group (torch's testing backend, no processes): the bytes per rank
 from __future__ import annotations
 
 import argparse
-import re
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,31 +21,13 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import DeepseekV3Config
 
-from hf_moe_tp.checkpoint import TensorInfo
-from hf_moe_tp.checkpoint.assembly import transformers_keys
-from hf_moe_tp.checkpoint.fp8 import keep_fp8_weights, place_scales
-from hf_moe_tp.checkpoint.quantized import CheckpointView, Fp8Weight, Quantization
+from hf_moe_tp.checkpoint.fp8 import config_fp8_view, keep_fp8_weights, place_scales
+from hf_moe_tp.checkpoint.quantized import Quantization
 from hf_moe_tp.parallel import plans
 from hf_moe_tp.parallel.boxes import shard_dim
 from model_patches import meta_model
 
 BLOCK = (128, 128)
-UNQUANTIZED = re.compile(r"(norm\.weight|mlp\.gate\.weight)$")  # as on the hub: norms and routers stay bf16
-
-
-def hub_fp8_view(model) -> CheckpointView:
-    """The headers of the hub's FP8 checkpoint of ``model``'s config, as :func:`checkpoint_view` would see them."""
-    file = Path("model.safetensors")
-    tensors, stored, headers = {}, {}, {}
-    for key, shape in transformers_keys(model)[0].items():
-        headers[key] = tensors[key] = TensorInfo(file, shape, "BF16")
-        if key.endswith(".weight") and len(shape) == 2 and ".layers." in key and not UNQUANTIZED.search(key):
-            grid = tuple(-(-n // b) for n, b in zip(shape, BLOCK, strict=True))
-            stored[key] = Fp8Weight(key, f"{key}_scale_inv", shape, BLOCK, "F32", "F8_E4M3")
-            headers[key] = TensorInfo(file, shape, "F8_E4M3")
-            headers[f"{key}_scale_inv"] = TensorInfo(file, grid, "F32")
-            tensors[key] = TensorInfo(file, shape, "F32")
-    return CheckpointView(tensors, stored, Quantization("fp8", BLOCK), headers)
 
 
 def rank_bytes(model, tp: int) -> list[dict[str, int]]:
@@ -74,7 +54,7 @@ def build(config, tp: int, ep: bool, keep: bool):
     model = meta_model(config, dtype=torch.bfloat16)
     plan = plans.tp_plan(model, tp, ep_size=tp if ep else None)
     if keep:
-        keep_fp8_weights(model, "hub DeepSeek-V3 FP8", plan, view=hub_fp8_view(model))
+        keep_fp8_weights(model, "hub DeepSeek-V3 FP8", plan, view=config_fp8_view(model, Quantization("fp8", BLOCK)))
     plans.parallelize(model, init_device_mesh("cpu", (tp,)), plan)
     if keep:
         place_scales(model)

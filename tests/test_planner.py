@@ -97,9 +97,11 @@ def test_saved_activations_are_what_the_model_says(ranks, checkpoints, world):
     assert off == {}, off
 
 
-def _peak_rise(paths: dict[str, str], layouts: dict[str, dict], seq: int) -> dict:
-    """Per (family, layout, dtype): the highest rise of live tensor bytes over a training step (forward, backward,
-    AdamW), its state already made by a first step: what a step adds to the weights and the optimizer state."""
+def _second_step(paths: dict[str, str], layouts: dict[str, dict], seq: int, measure: str) -> dict:
+    """Per (family, layout, dtype): ``measure`` (``"peak"``: the highest rise of live tensor bytes, what a step adds
+    to the weights and the optimizer state; ``"sent"``: the bytes this rank sends by group) over a training step
+    (forward, backward, AdamW), its optimizer state already made by a first step."""
+    from bench.communication import sent_bytes
     from bench.train import peak_rise_bytes
 
     out = {}
@@ -112,7 +114,7 @@ def _peak_rise(paths: dict[str, str], layouts: dict[str, dict], seq: int) -> dic
             o.zero_grad(set_to_none=True)
 
         step()
-        out[key] = peak_rise_bytes(step)
+        out[key] = peak_rise_bytes(step) if measure == "peak" else sent_bytes(step, model)
     return out
 
 
@@ -131,7 +133,7 @@ def test_a_training_step_peaks_below_the_plan(ranks, checkpoints, world):
     chosen = {n: (lay, kw) for n, (lay, kw) in PEAK_LAYOUTS.items() if lay["tp"] * lay["cp"] * lay["fsdp"] == world}
     paths = {f: checkpoints[f] for f in ("mixtral", "deepseek_v3")}
     seq = 1024
-    per_rank = ranks(world).run(_peak_rise, paths, {n: kw for n, (_, kw) in chosen.items()}, seq)
+    per_rank = ranks(world).run(_second_step, paths, {n: kw for n, (_, kw) in chosen.items()}, seq, "peak")
     models = {f: Model(path) for f, path in paths.items()}
     off = {}
     for key in per_rank[0]:
@@ -232,25 +234,6 @@ SENT_LAYOUTS = {
 SENT_SEQ = 128
 
 
-def _sent_on_rank(paths: dict[str, str], layouts: dict[str, dict]) -> dict:
-    """Per (family, layout, dtype): the bytes this rank sends by group over a training step (forward, backward,
-    AdamW), the optimizer's state made by a first step."""
-    from bench.communication import sent_bytes as measured_sent
-
-    out = {}
-    for key, model, ids in _each_load(paths, layouts, SENT_SEQ):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def step(m=model, x=ids, o=optimizer):
-            m(x, labels=x).loss.backward()
-            o.step()
-            o.zero_grad(set_to_none=True)
-
-        step()
-        out[key] = measured_sent(step, model)
-    return out
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_bytes_sent_are_what_the_collectives_count(ranks, checkpoints, world):
     """The plan's bytes sent per training step, group by group (TP, EP, CP, FSDP2, HSDP's replicas), against a count
@@ -261,7 +244,7 @@ def test_bytes_sent_are_what_the_collectives_count(ranks, checkpoints, world):
     carries two of the plan's groups (FSDP2 over the cp ranks alone; EP over the TP ranks) their bytes are compared
     together."""
     chosen = {name: kwargs for name, (w, kwargs, _, _) in SENT_LAYOUTS.items() if w == world}
-    per_rank = ranks(world).run(_sent_on_rank, {f: checkpoints[f] for f in CONFIGS}, chosen)
+    per_rank = ranks(world).run(_second_step, {f: checkpoints[f] for f in CONFIGS}, chosen, SENT_SEQ, "sent")
     models = {f: Model(checkpoints[f]) for f in CONFIGS}
     off = {}
     for key in per_rank[0]:
@@ -282,6 +265,49 @@ def test_bytes_sent_are_what_the_collectives_count(ranks, checkpoints, world):
         elif any(not got[g] <= joined[g] <= 1.1 * got[g] for g in got):
             off[key] = {g: round(joined[g] / got[g], 3) for g in got}
     assert off == {}, off
+
+
+def _kept_on_rank(path: str, kwargs: dict) -> tuple[int, int]:
+    """This rank's bytes after a load keeping the FP8 weights: its parameters and the FP8 weights' scales, and of
+    those the FP8 weights with their scales."""
+    model = hf_moe_tp.from_pretrained(path, keep_quantized=True, **kwargs)
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    nbytes = lambda ts: sum(local(t).numel() * t.element_size() for t in {id(t): t for t in ts}.values())  # noqa: E731
+    kept = [t for m in model.modules() for w, sc in getattr(m, "fp8_scales", {}).items()
+            for t in (getattr(m, w), m._buffers[sc.scale])]
+    return nbytes([*model.parameters(), *kept]), nbytes(kept)
+
+
+@pytest.mark.parametrize("lay", [dict(tp=2, ep=1, cp=1, fsdp=1, dp_replicate=1),
+                                 dict(tp=2, ep=2, cp=1, fsdp=1, dp_replicate=1)], ids=["tp2", "tp2xep2"])
+def test_fp8_weights_kept_are_what_ranks_hold(ranks, tmp_path, lay):
+    """Inference with FP8 weights kept (``Job(keep_quantized=True)``, ``--keep-quantized``): the plan's weights and
+    its FP8 weights with their scales equal what each rank holds after ``from_pretrained(keep_quantized=True)``, to
+    the byte, from the checkpoint and from its config alone (the hub's FP8 layout assumed); a config without an FP8
+    quantization_config is refused, and so is training with the weights kept."""
+    from quantized_families import save_fp8
+
+    path = save_fp8(CONFIGS["deepseek_v3"](), tmp_path / "fp8", (16, 16))
+    alone = tmp_path / "config-alone"
+    alone.mkdir()
+    (alone / "config.json").write_text((path / "config.json").read_text())
+    held = ranks(2).run(_kept_on_rank, str(path), {"ep_size": 2} if lay["ep"] > 1 else {})
+    busiest = max(held)
+    job = Job(training=False, dtype=torch.float32, keep_quantized=True, seq_len=16, kv_tokens=16)
+    for where in (path, alone):
+        memory = Model(where).estimate(lay, Cluster(2, 2), job).memory
+        assert (memory["weights"] + memory["fp8 weights kept"], memory["fp8 weights kept"]) == busiest, where
+    with pytest.raises(ValueError, match="declares no FP8 quantization_config"):
+        Model(_plain_config(tmp_path)).plan(Cluster(2, 2), job)
+    with pytest.raises(ValueError, match="do not train"):
+        Job(training=True, keep_quantized=True)
+
+
+def _plain_config(tmp_path) -> str:
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    CONFIGS["deepseek_v3"]().save_pretrained(folder)
+    return str(folder)
 
 
 def test_the_layouts_tried_cover_a_node_and_the_cluster():

@@ -26,6 +26,7 @@ checkpoint (DeepSeek-V3/R1, Kimi-K2, Qwen3-*-FP8, ...).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -39,9 +40,18 @@ from ..parallel.experts import GroupedExperts
 from ..parallel.plans import _style_for
 from ..parallel.style_facts import computes_locally, transformers_names
 from ..parallel.styles import distribute
+from .assembly import transformers_keys
 from .conversions import model_keys, parameter_sources
-from .files import Checkpoint
-from .quantized import BlockScales, CheckpointView, Fp8Weight, checkpoint_view, fp8_to_float32, scale_values
+from .files import Checkpoint, TensorInfo
+from .quantized import (
+    BlockScales,
+    CheckpointView,
+    Fp8Weight,
+    Quantization,
+    checkpoint_view,
+    fp8_to_float32,
+    scale_values,
+)
 from .sources import Axis, Source
 
 CHUNK = 8  # experts dequantized at a time when all of them are
@@ -152,6 +162,29 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dim: int, block: int, 
 
 
 # ---- making a model keep them ----------------------------------------------------------------------------------
+
+
+_NOT_FP8 = re.compile(r"(norm\.weight|mlp\.gate\.weight|router\.weight)$")  # as the hub's FP8 checkpoints
+
+
+def config_fp8_view(model: nn.Module, quantization: Quantization) -> CheckpointView:
+    """The headers an FP8 checkpoint of ``model``'s config would have, for planning from a config alone: the keys
+    and shapes transformers saves, every decoder layer's 2-D weight FP8 with float32 scales per ``quantization``'s
+    block (norms, routers, embeddings, the head and the config's ``modules_to_not_convert`` as they are), as the
+    hub's DeepSeek-V3 FP8 checkpoint lays them out."""
+    skip = tuple(quantization.config.get("modules_to_not_convert") or ())
+    file, block = Path("model.safetensors"), quantization.block or (128, 128)
+    tensors, stored, headers = {}, {}, {}
+    for key, shape in transformers_keys(model)[0].items():
+        headers[key] = tensors[key] = TensorInfo(file, shape, "BF16")
+        if (key.endswith(".weight") and len(shape) == 2 and ".layers." in key and not _NOT_FP8.search(key)
+                and not any(m in key for m in skip)):
+            grid = tuple(-(-n // b) for n, b in zip(shape, block, strict=True))
+            stored[key] = Fp8Weight(key, f"{key}_scale_inv", shape, block, "F32", "F8_E4M3")
+            headers[key] = TensorInfo(file, shape, "F8_E4M3")
+            headers[f"{key}_scale_inv"] = TensorInfo(file, grid, "F32")
+            tensors[key] = TensorInfo(file, shape, "F32")
+    return CheckpointView(tensors, stored, quantization, headers)
 
 
 def keep_fp8_weights(model: nn.Module, path: str | Path, plan: dict[str, ParallelStyle],

@@ -27,7 +27,9 @@ from model_patches import meta_model
 from .._compat import fake_store, root_mesh
 from ..checkpoint.conversions import ReadMap, read_map
 from ..checkpoint.files import INDEX_FILE, SINGLE_FILE, ST_DTYPES, Checkpoint
+from ..checkpoint.fp8 import config_fp8_view, keep_fp8_weights, place_scales
 from ..checkpoint.loading import default_threads, load_targets
+from ..checkpoint.quantized import checkpoint_view, quantization_of
 from ..parallel import plans
 from ..parallel.boxes import pieces
 from ..parallel.experts import GroupedExperts
@@ -56,6 +58,7 @@ class Inspection:
     weights: bool = True  # False: a config alone; the disk figures assume an unquantized checkpoint
     dtype_bytes: int = 4  # the element size most parameter bytes have (the config's dtype)
     fsdp: bool = False  # FSDP2 over data-parallel dimensions after the plan
+    rank_quantized_bytes: list[int] = field(default_factory=list)  # of rank_bytes: FP8 weights kept and scales
 
     @property
     def rank_optimizer_bytes(self) -> list[int]:
@@ -81,12 +84,14 @@ class TowerLayout:
 
 
 def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | None = None,
-                       dp_replicate: int = 1, dtype: torch.dtype | None = None) -> Inspection:
+                       dp_replicate: int = 1, dtype: torch.dtype | None = None,
+                       keep_quantized: bool = False) -> Inspection:
     """Family, its rules (model_patches), resolved plan and per-rank bytes of ``path`` (a checkpoint folder, or a config
     alone: a folder with ``config.json`` or the file itself) at TP ``tp`` x FSDP ``fsdp`` x ``dp_replicate``
     (``ep``: expert parallelism as :func:`hf_moe_tp.from_pretrained` takes it), the parameters in ``dtype`` as
-    ``from_pretrained(dtype=...)`` makes them (the config's by default; float32-kept ones stay). Reads headers
-    only."""
+    ``from_pretrained(dtype=...)`` makes them (the config's by default; float32-kept ones stay). ``keep_quantized``:
+    FP8 weights kept as ``from_pretrained(keep_quantized=True)`` keeps them (their scales counted with them); from a
+    config alone, laid out as the hub's FP8 checkpoints are (:func:`config_fp8_view`). Reads headers only."""
     if dist.is_initialized():
         raise RuntimeError("inspect runs outside a process group (it starts a fake one of the requested size)")
     path = Path(path)
@@ -107,14 +112,23 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
         dims = dict(zip(root.mesh_dim_names, root.shape, strict=True))
         model = meta_model(config, dtype=dtype)
         plan = plans.tp_plan(model, layout.tp.size(), ep_size=ep if ep and ep > 1 else None)
+        if keep_quantized:  # the FP8 layers in before the plan, as from_pretrained puts them
+            view = checkpoint_view(ckpt, config) if weights else _config_view(model, config, path)
+            keep_fp8_weights(model, folder, plan, view=view)
         apply_plan(model, layout.tp, plan, ep_mesh=layout.ep)  # the public one: integrations on, as before
+        if keep_quantized:
+            place_scales(model)
         tower_layouts = {name: tower_layout(model, name, plan) for name in towers(model)}  # TP's splits, not FSDP's
         if layout.dp is not None:
             shard_data_parallel(model, layout.dp)
         targets = load_targets(model)
         boxes = _Boxes(dims)
-        params = {id(p) for p in model.parameters()}
+        params = {id(p) for p in model.parameters()}  # and kept FP8 weights' scales (buffers)
+        kept = {id(t) for m in model.modules() for w, sc in getattr(m, "fp8_scales", {}).items()
+                for t in (getattr(m, w), m._buffers[sc.scale])}
+        params |= kept
         rank_bytes = [sum(_nbytes(t, boxes(t, r)) for t in targets.values() if id(t) in params) for r in range(world)]
+        rank_kept = [sum(_nbytes(t, boxes(t, r)) for t in targets.values() if id(t) in kept) for r in range(world)]
         total = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
         if weights:
             found = read_map(model, ckpt, targets)  # the loader's own map
@@ -136,6 +150,7 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
         else "config alone",
         plan=_summarise(plan),
         rank_bytes=rank_bytes,
+        rank_quantized_bytes=rank_kept,
         dtype_bytes=_main_itemsize(model),
         total_bytes=total,
         checkpoint_bytes=sum(f.stat().st_size for f in {i.file for i in ckpt.tensors.values()}) if weights else total,
@@ -147,6 +162,15 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
         rank_buffer_bytes=[default_threads() * b for b in largest],
         weights=weights,
     )
+
+
+def _config_view(model, config, path: Path):
+    """A config alone, planned with its FP8 weights kept: the hub's FP8 layout for its ``quantization_config``."""
+    quantization = quantization_of(config, path)
+    if quantization is None or quantization.method != "fp8":
+        raise ValueError(f"keep_quantized: {path} declares no FP8 quantization_config "
+                         f"({quantization.method if quantization else 'none'}); plan without keep_quantized")
+    return config_fp8_view(model, quantization)
 
 
 def _main_itemsize(model) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import sys
 from collections.abc import Sequence
 
 
@@ -40,6 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (default 1)")
     inspect.add_argument("--ep", type=int, default=None,
                          help="expert parallelism: equal to --tp, or with --tp 1 equal to --fsdp (default: off)")
+    inspect.add_argument("--keep-quantized", action="store_true",
+                         help="FP8 weights kept quantized, as from_pretrained(keep_quantized=True) keeps them")
 
     planner = commands.add_parser(
         "plan", help="which layouts fit a cluster, for inference or training, ranked (reads no weights)",
@@ -65,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     planner.add_argument("--eager-attention", action="store_true",
                          help="attention without a fused kernel, which keeps its scores (default: flash / sdpa's "
                          "memory-efficient kernel where the family has one)")
+    planner.add_argument("--keep-quantized", action="store_true",
+                         help="inference with the FP8 weights kept quantized (from_pretrained(keep_quantized=True))")
     planner.add_argument("--json", action="store_true", help="print the plan as JSON")
     planner.add_argument("--plot", metavar="FILE", help="also draw memory per rank by layout against the device's "
                          "memory into FILE (.png, .svg, .pdf; needs matplotlib)")
@@ -99,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .inspection import inspect_checkpoint, print_inspection
 
         print_inspection(inspect_checkpoint(args.path, args.tp, fsdp=args.fsdp, ep=args.ep,
-                                            dp_replicate=args.dp_replicate))
+                                            dp_replicate=args.dp_replicate, keep_quantized=args.keep_quantized))
         return 0
     if args.command == "plan":
         return _plan(args)
@@ -140,8 +145,12 @@ def _plan(args: argparse.Namespace) -> int:
     job = Job(training=not args.inference, seq_len=args.seq_len, micro_batch=args.micro_batch,
               dtype=getattr(torch, args.dtype), master_float32=args.master_float32, optimizer=args.optimizer,
               checkpointing=args.checkpointing, kv_tokens=args.kv_tokens or args.seq_len,
-              eager_attention=args.eager_attention)
-    candidates = plan(args.path, cluster, job)
+              eager_attention=args.eager_attention, keep_quantized=args.keep_quantized)
+    try:
+        candidates = plan(args.path, cluster, job)
+    except ValueError as e:  # a job the model cannot have (keep_quantized on an unquantized config)
+        print(f"hf-moe-tp plan: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(as_json(candidates), indent=1))
     else:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .._compat import MODEL_SUPPORTS_FLASH, MODEL_SUPPORTS_SDPA
+from ..checkpoint.quantized import quantization_of
 from ..parallel.activations import Shape, Split, backward_peak_bytes, forward_peak_bytes, saved_bytes
 from ..parallel.communication import Weights, sent_bytes
 
@@ -57,6 +58,12 @@ class Job:
     checkpointing: bool = False
     kv_tokens: int = 0
     eager_attention: bool = False  # no fused attention kernel: it keeps its scores (as where the family has none)
+    keep_quantized: bool = False  # inference with FP8 weights kept (from_pretrained(keep_quantized=True))
+
+    def __post_init__(self) -> None:
+        if self.keep_quantized and self.training:
+            raise ValueError("Job(keep_quantized=True) plans inference: FP8 weights kept quantized do not train "
+                             "(plan training dequantized, without keep_quantized)")
 
 
 @dataclass
@@ -145,24 +152,28 @@ class Model:
         self.shape = Shape.from_config(config, model)
         self.largest_unit = _largest_unit_share(model)
         self.head_share = _head_share(model)
+        self.quantization = quantization_of(config, path)
         cls = type(model)  # no fused attention kernel: eager attention keeps its scores
         self.eager = not getattr(cls, MODEL_SUPPORTS_SDPA, True) and not getattr(cls, MODEL_SUPPORTS_FLASH, False)
         self._inspections: dict = {}
 
-    def inspection(self, lay: dict[str, int], dtype: torch.dtype | None = None):
+    def inspection(self, lay: dict[str, int], dtype: torch.dtype | None = None, keep_quantized: bool = False):
         """``hf-moe-tp inspect``'s figures at ``lay`` with the parameters in ``dtype`` (CP ranks hold what FSDP2
-        over dp x cp gives them)."""
+        over dp x cp gives them; ``keep_quantized``: FP8 weights kept)."""
         from .inspection import inspect_checkpoint
 
-        key = (lay["tp"], lay["ep"], lay["fsdp"] * lay["cp"], lay["dp_replicate"], dtype)
+        key = (lay["tp"], lay["ep"], lay["fsdp"] * lay["cp"], lay["dp_replicate"], dtype, keep_quantized)
         if key not in self._inspections:
             self._inspections[key] = inspect_checkpoint(self.path, key[0], fsdp=key[2],
                                                         ep=key[1] if key[1] > 1 else None, dp_replicate=key[3],
-                                                        dtype=dtype)
+                                                        dtype=dtype, keep_quantized=keep_quantized)
         return self._inspections[key]
 
     def plan(self, cluster: Cluster, job: Job) -> list[Candidate]:
         """:func:`plan` of this model (built once, however many clusters it is planned for)."""
+        if job.keep_quantized and (self.quantization is None or self.quantization.method != "fp8"):
+            raise ValueError(f"keep_quantized: {self.path} declares no FP8 quantization_config "
+                             f"({self.quantization.method if self.quantization else 'none'}); plan without it")
         out = [self.estimate(lay, cluster, job) for lay in layouts(cluster, self.shape, job)]
         return sorted(out, key=lambda c: rank_key(c, cluster))
 
@@ -171,7 +182,7 @@ class Model:
         """The busiest rank's bytes at layout ``lay`` (tp, ep, cp, fsdp, dp_replicate) for ``job``; sequence
         parallelism where TP trains unless ``sequence_parallel`` says otherwise."""
         try:
-            found = self.inspection(lay, torch.float32 if job.master_float32 else job.dtype)
+            found = self.inspection(lay, torch.float32 if job.master_float32 else job.dtype, job.keep_quantized)
         except (ValueError, NotImplementedError) as e:  # a layout the library refuses
             return Candidate(lay, False, why=f"refused: {str(e).splitlines()[0][:160]}")
         sp = lay["tp"] > 1 and job.training if sequence_parallel is None else sequence_parallel
@@ -190,8 +201,12 @@ class Model:
 def _estimate(lay: dict, sp: bool, found, shape: Shape, job: Job, cluster: Cluster, largest_unit: float,
               eager: bool) -> Candidate:
     compute = job.dtype.itemsize
-    weights = max(found.rank_bytes)  # in the job's dtype (float32-kept parameters in float32)
-    c = Candidate(lay, sp, {"weights": weights}, read_bytes=max(found.rank_disk_bytes or [0]))
+    busiest = max(range(len(found.rank_bytes)), key=found.rank_bytes.__getitem__)
+    weights = found.rank_bytes[busiest]  # in the job's dtype (float32-kept parameters in float32)
+    kept = found.rank_quantized_bytes[busiest] if found.rank_quantized_bytes else 0
+    c = Candidate(lay, sp, {"weights": weights - kept}, read_bytes=max(found.rank_disk_bytes or [0]))
+    if kept:
+        c.memory["fp8 weights kept"] = kept  # with their scales
     if job.training:
         state = {"adamw": 2, "sgd": 1, "none": 0}[job.optimizer]
         c.memory["gradients"] = weights
