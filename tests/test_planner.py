@@ -310,6 +310,21 @@ def _plain_config(tmp_path) -> str:
     return str(folder)
 
 
+def test_one_process_inspects_one_world_after_another(tmp_path):
+    """The planner inspects each layout in a world of its own, one after another in one process: a layout whose TP
+    mesh has the same ranks as an earlier world's (TP 2 in 16 ranks of FSDP, then of HSDP) gets its own meshes, not
+    the earlier world's from DTensor's op cache (whose groups were gone: gpt-oss's expert biases asked them)."""
+    from families import configs
+
+    from hf_moe_tp.cli.inspection import inspect_checkpoint
+
+    configs()["gpt_oss"].save_pretrained(tmp_path)
+    inspect_checkpoint(tmp_path, 2, fsdp=8)
+    second = inspect_checkpoint(tmp_path, 2, fsdp=4, dp_replicate=2)  # raised "Could not resolve the process group"
+    assert second.layout == {"dp_replicate": 2, "fsdp": 4, "tp": 2}
+    assert second.rank_bytes == inspect_checkpoint(tmp_path, 2, fsdp=4, dp_replicate=2).rank_bytes
+
+
 def test_the_layouts_tried_cover_a_node_and_the_cluster():
     shape = Shape.from_config(CONFIGS["mixtral"]())
     tried = layouts(Cluster(16, 8), shape, Job())

@@ -24,7 +24,7 @@ from transformers import AutoConfig
 
 from model_patches import meta_model
 
-from .._compat import fake_store, root_mesh
+from .._compat import clear_dtensor_caches, fake_store, root_mesh
 from ..checkpoint.conversions import ReadMap, read_map
 from ..checkpoint.files import INDEX_FILE, SINGLE_FILE, ST_DTYPES, Checkpoint
 from ..checkpoint.fp8 import config_fp8_view, keep_fp8_weights, place_scales
@@ -139,6 +139,9 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
             largest = [max(_nbytes(t, boxes(t, r)) for t in targets.values()) for r in range(world)]
     finally:
         dist.destroy_process_group()
+        # DTensor's op cache takes meshes of one shape and ranks as equal: the next inspection (another world) would
+        # get this one's meshes back, whose groups are gone
+        clear_dtensor_caches()
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     per_expert = weights and any(".experts.0." in k for k in ckpt.keys())
     return Inspection(
