@@ -55,7 +55,7 @@ class Shape:
         if isinstance(expert_hidden, (list, tuple)):
             expert_hidden = max(expert_hidden)
         shared = get("shared_expert_intermediate_size") or get("n_shared_experts", "num_shared_experts") * (
-            expert_hidden if get("n_shared_experts", "num_shared_experts") else 0)
+            expert_hidden if get("n_shared_experts", "num_shared_experts") else 0) or _shared_hidden(model)
         dense_layers = _dense_layers(c, layers)
         rope, nope = get("qk_rope_head_dim"), get("qk_nope_head_dim")
         mla = bool(get("kv_lora_rank"))
@@ -64,9 +64,18 @@ class Shape:
                    kv_heads=heads if mla else get("num_key_value_heads", default=heads), head_dim=head_dim,
                    value_dim=get("v_head_dim", default=head_dim) if mla else head_dim, experts=experts,
                    top_k=get("num_experts_per_tok", "moe_topk", "top_k", default=1), expert_hidden=expert_hidden,
-                   shared_hidden=shared, dense_hidden=get("intermediate_size", default=4 * hidden),
+                   shared_hidden=shared, dense_hidden=get("intermediate_size_mlp", "intermediate_size",
+                                                          default=4 * hidden),
                    vocab=c.vocab_size, q_lora=get("q_lora_rank"), kv_lora=get("kv_lora_rank") + rope if mla else 0,
                    qk_norm=model is not None and any(n.endswith("self_attn.q_norm") for n, _ in model.named_modules()))
+
+
+def _shared_hidden(model) -> int:
+    """A shared expert's hidden size read off ``model``'s first one (Llama 4 names it in no config field)."""
+    for name, module in model.named_modules() if model is not None else ():
+        if name.endswith(("shared_expert", "shared_experts")) and hasattr(module, "up_proj"):
+            return module.up_proj.out_features
+    return 0
 
 
 def _dense_layers(c, layers: int) -> int:
