@@ -325,6 +325,32 @@ def test_one_process_inspects_one_world_after_another(tmp_path):
     assert second.rank_bytes == inspect_checkpoint(tmp_path, 2, fsdp=4, dp_replicate=2).rank_bytes
 
 
+@pytest.mark.parametrize("cached", ["config", "weights"])
+def test_plan_of_a_hub_id_from_the_cache(tmp_path, monkeypatch, capsys, cached):
+    """``hf-moe-tp plan org/name``: a hub id planned from the local cache with nothing fetched (offline), from its
+    config alone or, where its weight files are cached, from their headers (what a load reads)."""
+    import huggingface_hub.constants
+
+    repo = tmp_path / "hub" / "models--acme--tiny-moe"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    if cached == "config":
+        CONFIGS["mixtral"]().save_pretrained(snapshot)
+    else:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(CONFIGS["mixtral"]()).save_pretrained(snapshot)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert main(["plan", "acme/tiny-moe", "--gpus", "2", "--gpu-memory", "4", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    local = Model(snapshot if cached == "weights" else snapshot / "config.json")
+    assert local.path.name == ("config.json" if cached == "config" else snapshot.name)
+    want = local.plan(Cluster(2, 8, 4 * GIB), Job())
+    assert [(c["name"], c["total"], c["read_bytes"]) for c in planned] == [(c.name(), c.total, c.read_bytes)
+                                                                          for c in want]
+
+
 def test_the_layouts_tried_cover_a_node_and_the_cluster():
     shape = Shape.from_config(CONFIGS["mixtral"]())
     tried = layouts(Cluster(16, 8), shape, Job())

@@ -11,6 +11,7 @@ read by the final-shard loader: each rank reads what it holds.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections import Counter
@@ -94,7 +95,7 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
     config alone, laid out as the hub's FP8 checkpoints are (:func:`config_fp8_view`). Reads headers only."""
     if dist.is_initialized():
         raise RuntimeError("inspect runs outside a process group (it starts a fake one of the requested size)")
-    path = Path(path)
+    path = local_model(path)
     folder = path.parent if path.is_file() else path
     weights = (folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file()
     config = AutoConfig.from_pretrained(path)
@@ -165,6 +166,20 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
         rank_buffer_bytes=[default_threads() * b for b in largest],
         weights=weights,
     )
+
+
+def local_model(path: str | Path) -> Path:
+    """``path`` on this machine: a local folder or config file as it is; a hub id as its snapshot in the local
+    cache, fetching no more than its ``config.json`` and index (the folder where every weight file is cached, else
+    the config alone: a plan needs no weights)."""
+    if Path(path).exists():
+        return Path(path)
+    from huggingface_hub import snapshot_download
+
+    folder = Path(snapshot_download(str(path), allow_patterns=["config.json", "*.safetensors.index.json"]))
+    index = folder / INDEX_FILE
+    files = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else {SINGLE_FILE}
+    return folder if all((folder / f).is_file() for f in files) else folder / "config.json"
 
 
 def _config_view(model, config, path: Path):

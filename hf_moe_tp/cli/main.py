@@ -34,8 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model on the meta device and place it on its final layout (--tp, --ep, then FSDP2 over --fsdp x "
         "--dp-replicate) on a fake process group; print the detected family and adapter, the resolved plan and, "
         "per rank, the parameter bytes held, the bytes read at load, the peak load memory and AdamW's state.")
-    inspect.add_argument("path", help="checkpoint folder (config.json + safetensors), or a config alone (a folder "
-                         "with config.json, or the file)")
+    inspect.add_argument("path", help="checkpoint folder (config.json + safetensors), a config alone (a folder "
+                         "with config.json, or the file), or a hub id (only its config.json and index fetched)")
     inspect.add_argument("--tp", type=int, default=2, help="tensor-parallel size to plan for (default 2)")
     inspect.add_argument("--fsdp", type=int, default=1, help="FSDP2 (dp_shard) size (default 1)")
     inspect.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (default 1)")
@@ -51,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "final layout on a fake process group, as inspect does, and estimate its busiest rank's memory: weights, "
         "gradients, optimizer state, activations, FSDP2's gathered layers, KV cache. Fitting layouts first. "
         "Exits 1 when none fits.")
-    planner.add_argument("path", help="checkpoint folder, or a config alone (a folder with config.json, or the file)")
+    planner.add_argument("path", help="checkpoint folder, a config alone (a folder with config.json, or the file), "
+                         "or a hub id (only its config.json and index fetched)")
     planner.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     planner.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     planner.add_argument("--gpu-memory", type=float, default=80, help="GiB per GPU (default 80)")

@@ -146,7 +146,9 @@ class Model:
 
         from model_patches import meta_model
 
-        self.path = path
+        from .inspection import local_model
+
+        path = self.path = local_model(path)
         config = AutoConfig.from_pretrained(path)
         model = meta_model(config)
         self.shape = Shape.from_config(config, model)
