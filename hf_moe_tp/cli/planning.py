@@ -153,7 +153,7 @@ class Model:
         model = meta_model(config)
         self.shape = Shape.from_config(config, model)
         self.largest_unit = _largest_unit_share(model)
-        self.head_share = _head_share(model)
+        self.head_params = _head_params(model)
         self.quantization = quantization_of(config, path)
         cls = type(model)  # no fused attention kernel: eager attention keeps its scores
         self.eager = not getattr(cls, MODEL_SUPPORTS_SDPA, True) and not getattr(cls, MODEL_SUPPORTS_FLASH, False)
@@ -192,7 +192,8 @@ class Model:
                       self.eager or job.eager_attention)
         if job.training:
             held, shard = c.memory["weights"], lay["fsdp"] * lay["cp"]
-            weights = Weights(held, int(held * shard * (1 - self.head_share)), self.largest_unit)
+            head = self.head_params * (4 if job.master_float32 else job.dtype.itemsize) // lay["tp"]  # split by TP
+            weights = Weights(held, held * shard - head, self.largest_unit)
             split = Split(tp=lay["tp"], ep=lay["ep"], cp=lay["cp"], sequence_parallel=c.sequence_parallel)
             c.sent = sent_bytes(self.shape, split, job.seq_len, job.dtype.itemsize, weights, fsdp=lay["fsdp"],
                                 dp_replicate=lay["dp_replicate"], micro_batch=job.micro_batch,
@@ -250,12 +251,10 @@ def _largest_unit_share(model) -> float:
     return max(units, default=total) / total
 
 
-def _head_share(model) -> float:
-    """The output head's share of the parameters (0 where it is the embedding, tied)."""
-    params = {id(p): p for p in model.parameters()}
-    head = {id(p) for n, p in model.named_parameters() if n.startswith("lm_head")}
+def _head_params(model) -> int:
+    """The output head's parameters (0 where it is the embedding, tied)."""
     embedded = {id(p) for n, p in model.named_parameters() if "embed_tokens" in n}
-    return sum(params[i].numel() for i in head - embedded) / sum(p.numel() for p in params.values())
+    return sum(p.numel() for n, p in model.named_parameters() if n.startswith("lm_head") and id(p) not in embedded)
 
 
 def _is_layer(name: str) -> bool:

@@ -77,7 +77,7 @@ def sent_bytes(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, weigh
         per_token = (heads * (s.head_dim + s.value_dim) + kv * (s.head_dim + s.value_dim)) * b
         exchanged = 2 * s.layers * one_way(tokens * per_token, cp)  # each way in forward and in backward
         gathered = one_way(tokens * cp * (s.hidden + s.vocab) * b, cp)  # the hidden states, then the logits
-        out["cp"] = exchanged + gathered + all_reduce(weights.backbone, cp)
+        out["cp"] = exchanged + gathered + all_reduce(weights.backbone, cp) + all_reduce(4, cp)  # and the loss
     shard = fsdp * cp
     if shard > 1:
         whole = weights.held * shard  # what one unit's gathers add up to, per pass, over the model
