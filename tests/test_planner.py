@@ -92,6 +92,7 @@ def test_saved_activations_are_what_the_model_says(ranks, checkpoints, world):
         got = max(r[key] for r in per_rank)
         want = saved_bytes(shapes[family], LAYOUTS[name][2], SEQ, getattr(torch, dtype.removeprefix("torch.")).itemsize,
                            scores=ATTENTION[family] == "eager")
+        print(key, round(want / got, 3))  # the ratios, with pytest -s
         if not got <= want <= HIGH * got:
             off[key] = round(want / got, 3)
     assert off == {}, off
@@ -399,6 +400,21 @@ def test_the_plan_on_8_ranks(ranks, checkpoints, lay):
     joined = {group: sum(want.get(part, 0) for part in group.split("+")) for group in got}
     assert {part for group in got for part in group.split("+")} == set(want), (got, want)
     assert all(got[g] <= joined[g] <= 1.1 * got[g] for g in got), {g: (joined[g], got[g]) for g in got}
+
+
+def test_fitting_layouts_are_ranked_by_time_on_the_wire():
+    """Among fitting layouts, the least time on the wire first: a group spanning nodes (FSDP2 over 16 ranks of
+    8-GPU nodes) at the network's bandwidth, one inside a node at NVLink's."""
+    from hf_moe_tp.cli.planning import Candidate, rank_key, wire_seconds
+
+    cluster = Cluster(16, 8)
+    tp8 = Candidate(dict(tp=8, ep=1, cp=1, fsdp=2, dp_replicate=1), True, {"weights": 2}, fits=True,
+                    sent={"tp": 45e9, "fsdp": 1e9})
+    tp2 = Candidate(dict(tp=2, ep=1, cp=1, fsdp=8, dp_replicate=1), True, {"weights": 1}, fits=True,
+                    sent={"tp": 4.5e9, "fsdp": 10e9})
+    assert wire_seconds(tp8, cluster) == pytest.approx(0.1 + 0.02)
+    assert wire_seconds(tp2, cluster) == pytest.approx(0.01 + 0.2)
+    assert sorted([tp2, tp8], key=lambda c: rank_key(c, cluster)) == [tp8, tp2]
 
 
 def test_the_layouts_tried_cover_a_node_and_the_cluster():

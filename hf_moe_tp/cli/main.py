@@ -56,6 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     planner.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     planner.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     planner.add_argument("--gpu-memory", type=float, default=80, help="GiB per GPU (default 80)")
+    planner.add_argument("--node-bandwidth", type=float, default=450,
+                         help="GB/s one GPU sends inside a node, to rank layouts by time on the wire (default 450)")
+    planner.add_argument("--network-bandwidth", type=float, default=50,
+                         help="GB/s one GPU sends across nodes (default 50: 400 Gb/s InfiniBand per GPU)")
     planner.add_argument("--inference", action="store_true", help="plan inference (default: training)")
     planner.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     planner.add_argument("--micro-batch", type=int, default=1, help="sequences per data-parallel rank (default 1)")
@@ -142,7 +146,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     from .planning import GIB, Cluster, Job, as_json, plan, plot_plan, print_plan
 
-    cluster = Cluster(args.gpus, args.gpus_per_node, int(args.gpu_memory * GIB))
+    cluster = Cluster(args.gpus, args.gpus_per_node, int(args.gpu_memory * GIB), args.node_bandwidth * 1e9,
+                      args.network_bandwidth * 1e9)
     job = Job(training=not args.inference, seq_len=args.seq_len, micro_batch=args.micro_batch,
               dtype=getattr(torch, args.dtype), master_float32=args.master_float32, optimizer=args.optimizer,
               checkpointing=args.checkpointing, kv_tokens=args.kv_tokens or args.seq_len,

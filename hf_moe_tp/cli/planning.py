@@ -32,11 +32,15 @@ USABLE = 0.92  # of the rest: fragmentation of the caching allocator
 
 @dataclass(frozen=True)
 class Cluster:
-    """The GPUs a job may use: how many, how many per node (TP and CP stay inside a node), memory of each."""
+    """The GPUs a job may use: how many, how many per node (TP and CP stay inside a node), memory of each, and the
+    bytes per second one GPU sends inside a node and across nodes (nominal: H100 SXM's NVLink, 400 Gb/s
+    InfiniBand per GPU)."""
 
     gpus: int
     gpus_per_node: int = 8
     gpu_memory: int = 80 * GIB
+    node_bandwidth: float = 450e9
+    network_bandwidth: float = 50e9
 
     def usable(self) -> int:
         """Bytes a rank may plan to hold on one device."""
@@ -129,12 +133,24 @@ def plan(path: str | Path, cluster: Cluster, job: Job) -> list[Candidate]:
 
 
 def rank_key(c: Candidate, cluster: Cluster) -> tuple:
-    """Fitting layouts first; among them, TP and CP inside a node, then the fewest ranks per model replica (the
-    least communication in each step, the most replicas), then the least memory. Layouts that do not fit follow,
-    the nearest to fitting first; refused ones last."""
+    """Fitting layouts first; among them, TP and CP inside a node, then the least time on the wire per training
+    step (:func:`wire_seconds`), then the fewest ranks per model replica (the most replicas), then the least
+    memory. Layouts that do not fit follow, the nearest to fitting first; refused ones last."""
     group = c.layout["tp"] * c.layout["cp"]
     return (not c.fits, c.refused, group > cluster.gpus_per_node,
-            group if c.fits else 0, c.total)
+            wire_seconds(c, cluster) if c.fits else 0, group if c.fits else 0, c.total)
+
+
+def wire_seconds(c: Candidate, cluster: Cluster) -> float:
+    """Seconds the busiest rank's bytes sent per step take at the cluster's nominal bandwidths, none overlapped
+    with compute or with each other: a group inside a node at ``node_bandwidth``, one spanning nodes at
+    ``network_bandwidth`` (ranks ordered dp_replicate, fsdp, cp, tp: TP innermost)."""
+    lay, node = c.layout, cluster.gpus_per_node
+    replica = lay["tp"] * lay["cp"] * lay["fsdp"]  # the ranks FSDP2's group spans, TP innermost
+    across = {"tp": lay["tp"] > node, "ep": lay["tp"] > node, "cp": lay["tp"] * lay["cp"] > node,
+              "fsdp": replica > node, "dp": cluster.gpus > node}
+    return sum(sent / (cluster.network_bandwidth if across[group] else cluster.node_bandwidth)
+               for group, sent in c.sent.items())
 
 
 class Model:
@@ -276,13 +292,16 @@ def print_plan(candidates: list[Candidate], cluster: Cluster, job: Job) -> None:
     print(f"{cluster.gpus} GPUs ({cluster.gpus_per_node} per node, {cluster.gpu_memory / GIB:.0f} GiB each; "
           f"{cluster.usable() / GIB:.1f} GiB usable per rank), {kind}")
     if job.training:
-        print("GiB on the busiest rank; 'sent': GiB it sends per step over each group (ring algorithm)")
+        print(f"GiB on the busiest rank; 'sent': GiB it sends per step over each group (ring algorithm); 'wire': "
+              f"seconds that takes at {cluster.node_bandwidth / 1e9:.0f} GB/s inside a node, "
+              f"{cluster.network_bandwidth / 1e9:.0f} GB/s across nodes, nothing overlapped")
     shown = [c for c in candidates if not c.refused]
     terms = list(dict.fromkeys(t for c in shown for t in c.memory))
     sends = list(dict.fromkeys(g for c in shown for g in c.sent))
-    head = ["layout", *terms, "total", "read at load", *(f"sent {g}" for g in sends)]
+    head = ["layout", *terms, "total", "read at load", *(f"sent {g}" for g in sends), *(["wire s"] if sends else [])]
     rows = [[c.name(), *[_gib(c.memory.get(t, 0)) for t in terms], _gib(c.total), _gib(c.read_bytes),
-             *[_gib(c.sent.get(g, 0)) for g in sends]] for c in shown]
+             *[_gib(c.sent.get(g, 0)) for g in sends], *([f"{wire_seconds(c, cluster):.2f}"] if sends else [])]
+            for c in shown]
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     print("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)) + "  fits")
     for c, row in zip(shown, rows, strict=True):
