@@ -417,6 +417,41 @@ def test_fitting_layouts_are_ranked_by_time_on_the_wire():
     assert sorted([tp2, tp8], key=lambda c: rank_key(c, cluster)) == [tp8, tp2]
 
 
+def _lora_step_on_rank(path: str) -> dict:
+    """This rank's adapter gradients and AdamW state after a LoRA step on attention (rank 4), and its weights."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(hf_moe_tp.from_pretrained(path).train(),
+                           LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-3)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    nbytes = lambda ts: sum(local(t).numel() * t.element_size() for t in ts)  # noqa: E731
+    moments = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    return {"weights": nbytes(model.parameters()), "gradients": nbytes(p.grad for p in trained),
+            "optimizer": nbytes(moments)}
+
+
+def test_lora_plans_the_adapters_alone_as_trained(ranks, checkpoints):
+    """``Job(lora_rank=4)``: the base frozen, gradients and AdamW state for the adapters only, at least what a TP-2
+    rank holds after a PEFT LoRA step on attention and at most twice it (the plan counts every adapter whole on
+    each rank); the weights are the base's plus the adapters'."""
+    held = ranks(2).run(_lora_step_on_rank, checkpoints["mixtral"])
+    lay = dict(tp=2, ep=1, cp=1, fsdp=1, dp_replicate=1)
+    model = Model(checkpoints["mixtral"])
+    lora = model.estimate(lay, Cluster(2, 2), Job(dtype=torch.float32, seq_len=16, lora_rank=4)).memory
+    full = model.estimate(lay, Cluster(2, 2), Job(dtype=torch.float32, seq_len=16)).memory
+    for term in ("weights", "gradients", "optimizer"):
+        got = max(h[term] for h in held)
+        assert got <= lora[term] <= 2 * got, (term, lora[term], got)
+    assert lora["weights"] - full["weights"] == lora["gradients"] < full["gradients"] / 10
+    with pytest.raises(ValueError, match="plans training adapters"):
+        Job(training=False, lora_rank=4)
+
+
 def test_the_layouts_tried_cover_a_node_and_the_cluster():
     shape = Shape.from_config(CONFIGS["mixtral"]())
     tried = layouts(Cluster(16, 8), shape, Job())

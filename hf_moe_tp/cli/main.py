@@ -68,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="float32 weights, gradients and optimizer state, --dtype compute (FSDP2 mixed precision)")
     planner.add_argument("--optimizer", choices=["adamw", "sgd", "none"], default="adamw")
     planner.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every layer")
+    planner.add_argument("--lora-rank", type=int, default=0,
+                         help="train LoRA adapters of this rank on attention (the base frozen; default: full)")
+    planner.add_argument("--lora-experts", action="store_true", help="with --lora-rank: adapters on the experts too")
     planner.add_argument("--kv-tokens", type=int, default=0,
                          help="inference: tokens of KV cache per replica (batch x context; default: --seq-len)")
     planner.add_argument("--eager-attention", action="store_true",
@@ -151,7 +154,8 @@ def _plan(args: argparse.Namespace) -> int:
     job = Job(training=not args.inference, seq_len=args.seq_len, micro_batch=args.micro_batch,
               dtype=getattr(torch, args.dtype), master_float32=args.master_float32, optimizer=args.optimizer,
               checkpointing=args.checkpointing, kv_tokens=args.kv_tokens or args.seq_len,
-              eager_attention=args.eager_attention, keep_quantized=args.keep_quantized)
+              eager_attention=args.eager_attention, keep_quantized=args.keep_quantized, lora_rank=args.lora_rank,
+              lora_experts=args.lora_experts)
     try:
         candidates = plan(args.path, cluster, job)
     except ValueError as e:  # a job the model cannot have (keep_quantized on an unquantized config)

@@ -19,11 +19,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from .._compat import MODEL_SUPPORTS_FLASH, MODEL_SUPPORTS_SDPA
 from ..checkpoint.quantized import quantization_of
 from ..parallel.activations import Shape, Split, backward_peak_bytes, forward_peak_bytes, saved_bytes
 from ..parallel.communication import Weights, sent_bytes
+from ..parallel.experts import GroupedExperts
 
 GIB = 2**30
 CONTEXT_BYTES = GIB  # the CUDA context, NCCL's buffers and the allocator's slack, per device (errs high)
@@ -63,11 +65,15 @@ class Job:
     kv_tokens: int = 0
     eager_attention: bool = False  # no fused attention kernel: it keeps its scores (as where the family has none)
     keep_quantized: bool = False  # inference with FP8 weights kept (from_pretrained(keep_quantized=True))
+    lora_rank: int = 0  # training LoRA adapters of this rank on the attention projections (the rest frozen)
+    lora_experts: bool = False  # and on every expert weight (transformers' target_parameters recipe)
 
     def __post_init__(self) -> None:
         if self.keep_quantized and self.training:
             raise ValueError("Job(keep_quantized=True) plans inference: FP8 weights kept quantized do not train "
                              "(plan training dequantized, without keep_quantized)")
+        if (self.lora_rank and not self.training) or (self.lora_experts and not self.lora_rank):
+            raise ValueError("Job(lora_rank=...) plans training adapters of that rank (lora_experts with it)")
 
 
 @dataclass
@@ -170,6 +176,7 @@ class Model:
         self.shape = Shape.from_config(config, model)
         self.largest_unit = _largest_unit_share(model)
         self.head_params = _head_params(model)
+        self._model = model  # the meta model, for LoRA's adapter sizes
         self.quantization = quantization_of(config, path)
         cls = type(model)  # no fused attention kernel: eager attention keeps its scores
         self.eager = not getattr(cls, MODEL_SUPPORTS_SDPA, True) and not getattr(cls, MODEL_SUPPORTS_FLASH, False)
@@ -206,10 +213,17 @@ class Model:
         sp = lay["tp"] > 1 and job.training if sequence_parallel is None else sequence_parallel
         c = _estimate(lay, sp, found, self.shape, job, cluster, self.largest_unit,
                       self.eager or job.eager_attention)
+        trained = 1.0
+        if job.training and job.lora_rank:  # the base frozen: gradients and state for the adapters only
+            adapters = _lora_params(self._model, job.lora_rank, job.lora_experts) * 4  # float32, as PEFT makes them
+            trained = adapters / (c.memory["weights"] + adapters)
+            c.memory["weights"] += adapters  # every rank all of them: errs high where TP or FSDP2 split them
+            c.memory["gradients"] = adapters
+            c.memory["optimizer"] = {"adamw": 2, "sgd": 1, "none": 0}[job.optimizer] * adapters
         if job.training:
             held, shard = c.memory["weights"], lay["fsdp"] * lay["cp"]
             head = self.head_params * (4 if job.master_float32 else job.dtype.itemsize) // lay["tp"]  # split by TP
-            weights = Weights(held, held * shard - head, self.largest_unit)
+            weights = Weights(held, held * shard - head, self.largest_unit, trained)
             split = Split(tp=lay["tp"], ep=lay["ep"], cp=lay["cp"], sequence_parallel=c.sequence_parallel)
             c.sent = sent_bytes(self.shape, split, job.seq_len, job.dtype.itemsize, weights, fsdp=lay["fsdp"],
                                 dp_replicate=lay["dp_replicate"], micro_batch=job.micro_batch,
@@ -265,6 +279,19 @@ def _largest_unit_share(model) -> float:
     units = [sum(p.numel() for p in m.parameters()) for name, m in model.named_modules()
              if name.endswith(("embed_tokens", "lm_head")) or _is_layer(name)]
     return max(units, default=total) / total
+
+
+def _lora_params(model, rank: int, experts: bool) -> int:
+    """LoRA adapters' parameters: ``rank`` x (inputs + outputs) for each linear layer of attention, and with
+    ``experts`` for each expert's matrices (a 3-D weight: its experts x rank x its two other sizes)."""
+    total = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and ".self_attn." in f".{name}.":
+            total += rank * (module.in_features + module.out_features)
+        elif experts and isinstance(module, GroupedExperts):
+            total += sum(rank * p.shape[0] * (p.shape[1] + p.shape[2])
+                         for p in module.parameters(recurse=False) if p.dim() == 3)
+    return total
 
 
 def _head_params(model) -> int:

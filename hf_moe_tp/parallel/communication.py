@@ -38,11 +38,13 @@ from .activations import Shape, Split
 class Weights:
     """The parameter bytes the data-parallel collectives move, on the busiest rank: ``held`` (its shard after FSDP2,
     in the parameters' dtype), ``backbone`` (the decoder's, embedding included, before FSDP2: what context
-    parallelism sums), ``largest_unit`` (the largest FSDP2 unit's share of the whole)."""
+    parallelism sums), ``largest_unit`` (the largest FSDP2 unit's share of the whole), ``trained`` (the share of
+    the bytes that get gradients: LoRA's adapters; 1.0 for every weight)."""
 
     held: int
     backbone: int
     largest_unit: float = 0.0
+    trained: float = 1.0
 
 
 def all_reduce(n: float, g: int) -> float:
@@ -77,14 +79,15 @@ def sent_bytes(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, weigh
         per_token = (heads * (s.head_dim + s.value_dim) + kv * (s.head_dim + s.value_dim)) * b
         exchanged = 2 * s.layers * one_way(tokens * per_token, cp)  # each way in forward and in backward
         gathered = one_way(tokens * cp * (s.hidden + s.vocab) * b, cp)  # the hidden states, then the logits
-        out["cp"] = exchanged + gathered + all_reduce(weights.backbone, cp) + all_reduce(4, cp)  # and the loss
+        grads = all_reduce(weights.backbone * weights.trained, cp)
+        out["cp"] = exchanged + gathered + grads + all_reduce(4, cp)  # and the loss
     shard = fsdp * cp
     if shard > 1:
         whole = weights.held * shard  # what one unit's gathers add up to, per pass, over the model
         gathered = whole * (2 - weights.largest_unit) * b / wb  # forward, then backward but the root's
-        out["fsdp"] = one_way(gathered, shard) + one_way(whole, shard)
+        out["fsdp"] = one_way(gathered, shard) + one_way(whole * weights.trained, shard)
     if dp_replicate > 1:
-        out["dp"] = all_reduce(weights.held, dp_replicate)
+        out["dp"] = all_reduce(weights.held * weights.trained, dp_replicate)
     return {k: int(v) for k, v in out.items() if v > 0}
 
 
