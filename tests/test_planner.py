@@ -524,6 +524,19 @@ def _auto(path: str, layout) -> dict:
     return {"sizes": sizes, "logits": logits, "dtype": str(model.model.embed_tokens.weight.dtype)}
 
 
+def _kept_by_job(path: str) -> bool:
+    model = hf_moe_tp.from_pretrained(path, layout=Job(training=False, keep_quantized=True, kv_tokens=64))
+    return any(getattr(m, "fp8_scales", None) for m in model.modules())
+
+
+def test_a_job_keeping_fp8_loads_them_kept(ranks, tmp_path):
+    """layout=Job(keep_quantized=True): the load keeps the FP8 weights the plan counted kept."""
+    from quantized_families import save_fp8
+
+    path = save_fp8(CONFIGS["deepseek_v3"](), tmp_path / "fp8", (16, 16))
+    assert ranks(2).run(_kept_by_job, str(path)) == [True, True]
+
+
 def test_layout_auto_loads_the_plans_first_layout(ranks, checkpoints):
     """``from_pretrained(path, layout="auto")`` on 2 ranks loads at the layout the planner ranks first for 2 ranks
     of this machine's memory (inference: one replica per rank), the same on both, and computes one process's

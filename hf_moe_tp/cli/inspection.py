@@ -31,6 +31,7 @@ from ..checkpoint.files import INDEX_FILE, SINGLE_FILE, ST_DTYPES, Checkpoint
 from ..checkpoint.fp8 import config_fp8_view, keep_fp8_weights, place_scales
 from ..checkpoint.loading import default_threads, load_targets
 from ..checkpoint.quantized import checkpoint_view, quantization_of
+from ..options import LoadOptions
 from ..parallel import plans
 from ..parallel.boxes import pieces
 from ..parallel.experts import GroupedExperts
@@ -109,6 +110,7 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
             raise ValueError(f"inspect at fsdp={fsdp}, ep={ep}, dp_replicate={dp_replicate} (TP 1: transformers' "
                              f"efsdp, experts FSDP2-sharded apart) is not predicted yet; load it to see each rank's "
                              f"shards")
+        LoadOptions(keep_quantized=keep_quantized).check_layout(layout)  # what from_pretrained would refuse
         root = root_mesh(layout.tp)
         dims = dict(zip(root.mesh_dim_names, root.shape, strict=True))
         model = meta_model(config, dtype=dtype)
