@@ -86,5 +86,5 @@ def choose(path: str, layout: Any, dtype: Any, timeout: float) -> dict[str, Any]
     lay = chosen["layout"]
     sizes = {"ep_size": lay["ep"], "cp_size": lay["cp"], "fsdp_size": lay["fsdp"],
              "dp_replicate_size": lay["dp_replicate"]}
-    kept = {"keep_quantized": True} if job["keep_quantized"] else {}  # the load keeps what the plan counted kept
+    kept = {"keep_quantized": True} if job.get("keep_quantized") else {}  # the load keeps what the plan counted
     return {k: v for k, v in sizes.items() if v > 1} | {"sequence_parallel": chosen["sequence_parallel"]} | kept
