@@ -36,10 +36,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..parallel.boxes import shard_dim
+from ..parallel.distribute import distribute
 from ..parallel.experts import GroupedExperts
 from ..parallel.plans import _style_for
 from ..parallel.style_facts import computes_locally, transformers_names
-from ..parallel.styles import distribute
 from .assembly import transformers_keys
 from .conversions import model_keys, parameter_sources
 from .files import Checkpoint, TensorInfo

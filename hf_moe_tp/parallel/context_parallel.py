@@ -41,6 +41,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .fsdp import decoder_layers
+from .local_swap import swap_back, swap_in
+from .mesh_sums import _SumGradOverMesh
 from .sequence_parallel import (
     Split,
     _Comm,
@@ -52,7 +54,7 @@ from .sequence_parallel import (
     split_for,
     stream_stays_split,
 )
-from .styles import _check_mesh, _SumGradOverMesh, swap_back, swap_in
+from .styles import _check_mesh
 
 # Text model types checked exact at cp 2 against one process: logits, loss and every gradient within 1e-5
 # (`python -m bench.context_parallel`, transformers 5.25; tests/test_context_parallel.py for five of them). Others

@@ -25,14 +25,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .styles import (
-    LocalParams,
-    _hook_inputs,
-    _SumGradOverMesh,
-    distribute_params,
-    local_during_forward,
-    sum_over_mesh,
-)
+from .distribute import distribute_params
+from .local_swap import local_during_forward
+from .mesh_sums import _SumGradOverMesh, sum_over_mesh
+from .styles import LocalParams, _hook_inputs
 
 # At most this many (token, slot) pairs, the all-reduce dispatch runs every pair (see _dispatch_local).
 MASKED_PAIRS = 64

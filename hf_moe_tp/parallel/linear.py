@@ -23,8 +23,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from .distribute import distribute_params
+from .local_swap import local_during_forward
+from .mesh_sums import _SumGradOverMesh, sum_over_mesh
 from .sequence_parallel import scatter_rows
-from .styles import _check_mesh, _SumGradOverMesh, distribute_params, local_during_forward, sum_over_mesh
+from .styles import _check_mesh
 
 
 class LocalColwiseParallel(ColwiseParallel):

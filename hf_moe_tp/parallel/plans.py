@@ -35,17 +35,16 @@ from .fsdp import keep_training_fresh
 from .hf_plan import entries, heads_divide, matches
 from .layout import Layout
 from .linear import LocalColwiseParallel, LocalRowwiseParallel
+from .local_swap import LocalDuringCall, swap_to_local
 from .loss import split_loss
 from .model_state import STYLE, family_of, state_of
 from .sequence_parallel import SequenceParallel, backbone_entry, is_region
 from .style_facts import gathers_output, transformers_names
 from .styles import (
-    LocalDuringCall,
     LocalParams,
     NoParallel,
     TensorParallel,
     VocabParallelEmbedding,
-    swap_to_local,
     unsplittable,
 )
 from .towers import FEATURE_METHODS, owning_config, towers

@@ -35,8 +35,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .fsdp import decoder_layers
+from .local_swap import swap_back, swap_in
+from .mesh_sums import _SumGradOverMesh
 from .style_facts import computes_locally, transformers_names
-from .styles import _check_mesh, _SumGradOverMesh, swap_back, swap_in
+from .styles import _check_mesh
 
 # On a row-wise projection that is a region's direct child, while the region runs a split forward: how its partial
 # output becomes this rank's rows of the sum

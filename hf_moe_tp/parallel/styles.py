@@ -1,6 +1,8 @@
 """Parallel styles for MoE layers: ``TensorParallel`` for GroupedExperts, ``NoParallel`` for routers.
 
-(Over 400 lines on purpose: the styles and the local-compute helpers they, linear.py and lora/ share are one unit.)
+The helpers the styles share with linear.py, the sequence and context styles and lora/ live apart: local_swap.py
+(DTensors seen as local tensors while a module computes), mesh_sums.py (sums over a mesh as autograd functions),
+distribute.py (parameters made DTensors).
 
 Both are ``torch.distributed.tensor.parallel.ParallelStyle``s, so ``parallelize_module`` applies them:
 
@@ -14,19 +16,21 @@ Communication, all of it explicit here:
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .._compat import is_strided_shard, strided_shard
-from .boxes import checkpoint_pieces, shard_dim
+from .boxes import shard_dim
+from .distribute import distribute_params
 from .experts import adds_row_bias
+from .local_swap import local_during_forward
+from .mesh_sums import _SumGradOverMesh, sum_over_mesh
 
 
 def expert_placements(module: nn.Module) -> dict[str, Placement]:
@@ -327,138 +331,6 @@ def _own_rows(weight: DTensor) -> tuple[int, int]:
     return offset[0], offset[0] + shape[0]
 
 
-def swap_to_local(root: nn.Module, params: list[tuple[nn.Module, str]]) -> None:
-    """During ``root``'s forward, let every listed DTensor parameter appear as its local tensor.
-
-    :class:`LocalParams` swaps a module's parameters during that module's own forward; some models read a
-    submodule's weight from the parent's code (a Mamba mixer calling ``conv1d`` functionally with
-    ``self.conv1d.weight``), so the parameters of local-compute modules are swapped for the whole forward too.
-    Gradients reach the DTensor parameters through ``to_local``.
-    """
-    local_during_forward(root, [(owner._parameters, name) for owner, name in params])
-
-
-def local_during_forward(module: nn.Module, slots: list[tuple[dict, str]],
-                         to_local: Callable[[DTensor], torch.Tensor] = DTensor.to_local) -> None:
-    """During ``module``'s forward, each DTensor in ``slots`` (a module's ``_parameters`` or ``_buffers`` and a
-    name) appears as ``to_local(tensor)``, a plain tensor, and is put back afterwards (also when the forward
-    raises), unless something else took the slot meanwhile. Gradients reach the DTensors through ``to_local``.
-    Slots already plain (an enclosing swap did it) are left alone."""
-    # The slots are kept as (submodule path, table, name) and looked up from the hooked module, so a deep copy of
-    # the model (whose hooks are these same functions) swaps its own parameters, not the original's.
-    where = {}
-    for path, m in module.named_modules(remove_duplicate=False):
-        where.setdefault(id(m._parameters), (path, "_parameters"))
-        where.setdefault(id(m._buffers), (path, "_buffers"))
-    refs = [(*where[id(table)], name) for table, name in slots]
-    resolved: dict[int, tuple[weakref.ref, list[tuple[dict, str]]]] = {}
-    saved: list[list[tuple[dict, str, DTensor]]] = []
-
-    def tables(mod: nn.Module) -> list[tuple[dict, str]]:
-        hit = resolved.get(id(mod))
-        if hit is None or hit[0]() is not mod:
-            hit = (weakref.ref(mod), [(getattr(mod.get_submodule(p), attr), n) for p, attr, n in refs])
-            resolved[id(mod)] = hit
-        return hit[1]
-
-    def use_local(mod: nn.Module, args: tuple) -> None:
-        saved.append(swap_in(tables(mod), to_local))
-
-    def restore(mod: nn.Module, args: tuple, out: Any) -> None:
-        if saved:  # else an earlier pre-hook raised before use_local ran: nothing was swapped
-            swap_back(saved.pop())
-
-    module.register_forward_pre_hook(use_local)
-    module.register_forward_hook(restore, always_call=True)
-
-
-def swap_in(slots: list[tuple[dict, str]], to_local: Callable[[Any], Any],
-            swaps: Callable[[Any], bool] = lambda t: isinstance(t, DTensor)) -> list[tuple[dict, str, Any, Any]]:
-    """Put ``to_local(t)`` in every slot (a module's ``_parameters``, ``_buffers`` or ``__dict__`` and a name)
-    holding a ``t`` that ``swaps`` (a DTensor); returns what :func:`swap_back` needs to undo it. The one mechanism
-    by which DTensor parameters appear as local tensors during a call (:func:`local_during_forward`,
-    :class:`LocalDuringCall`, the LoRA adapters of :mod:`hf_moe_tp.integrations.lora`)."""
-    swapped = []
-    for table, name in slots:
-        t = table.get(name)
-        if swaps(t):
-            table[name] = local = to_local(t)
-            swapped.append((table, name, t, local))
-    return swapped
-
-
-def swap_back(swapped: list[tuple[dict, str, Any, Any]]) -> None:
-    """Undo :func:`swap_in`, last swap first."""
-    for table, name, t, local in reversed(swapped):
-        # a slot someone else filled meanwhile keeps it: FSDP2 registers a layer's unsharded parameters in
-        # its forward and leaves them there when it does not reshard after forward
-        if table.get(name) is local:
-            table[name] = t
-
-
-class LocalDuringCall:
-    """``module.<method>`` (set as the instance's attribute) with the module's own DTensor parameters ``names``
-    appearing as their local tensors for the call, put back afterwards: for code outside any forward that reads
-    a module's parameters (a multimodal model's ``get_image_features`` reading its view separator, run by
-    transformers' ``generate`` before the first forward). A deep copy of the module copies this with it."""
-
-    def __init__(self, module: nn.Module, method: str, names: list[str]):
-        self.module, self.method, self.names = module, method, list(names)
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        # the method's own: transformers' generate picks the inputs it passes by the signature's names
-        return inspect.signature(getattr(type(self.module), self.method).__get__(self.module))
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        swapped = swap_in([(self.module._parameters, name) for name in self.names], DTensor.to_local)
-        try:
-            return getattr(type(self.module), self.method)(self.module, *args, **kwargs)
-        finally:
-            swap_back(swapped)
-
-
-def sum_over_mesh(t: torch.Tensor, group) -> torch.Tensor:
-    """``t`` summed over ``group``'s ranks, with an identity backward (:class:`_SumOverMesh`); on a group of one,
-    ``t`` itself, not a view of it: FSDP2 hooks a unit's outputs for backward, and an in-place op on a view
-    drops that hook."""
-    if torch.distributed.get_world_size(group) == 1:
-        return t
-    return _SumOverMesh.apply(t, group)
-
-
-class _SumOverMesh(torch.autograd.Function):
-    """All-reduce (sum) forward; identity backward: every rank's partial rows feed the same whole rows, whose
-    gradient (computed alike on every rank) is each part's gradient."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
-        t = t.contiguous().clone()  # (sum_over_mesh keeps a group of one out of here)
-        torch.distributed.all_reduce(t, group=group)
-        return t
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad, None
-
-
-class _SumGradOverMesh(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the mesh's ranks."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        if torch.distributed.get_world_size(ctx.group) == 1:
-            return grad, None
-        grad = grad.contiguous().clone()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def _output_converter(style: NoParallel, mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
     """Replicated local outputs to ``output_layout`` (a local chunk for ``Shard``: no communication)."""
 
@@ -471,51 +343,6 @@ def _output_converter(style: NoParallel, mesh: DeviceMesh) -> Callable[[torch.Te
         return t.to_local() if style.use_local_output else t
 
     return convert
-
-
-def distribute_params(
-    module: nn.Module,
-    mesh: DeviceMesh,
-    placements: dict[str, Placement | Sequence[Placement]],
-    src_data_rank: int | None = 0,
-    buffers: bool = False,
-    recurse: bool = True,
-) -> None:
-    """Turn ``module``'s parameters into DTensors: those named in ``placements`` (direct parameters of
-    ``module``; one placement per mesh dim, or one placement for a 1-D mesh) as given, all others (and, with
-    ``buffers``, all buffers) replicated; with ``recurse=False`` only ``module``'s own. Idempotent."""
-    replicated = [Replicate()] * mesh.ndim
-    for owner in module.modules() if recurse else [module]:
-        direct = owner is module
-        for name, p in list(owner.named_parameters(recurse=False)):
-            if p is None or isinstance(p, DTensor):
-                continue
-            converted = getattr(p, "_hf_moe_tp_dtensor", None)  # a tied parameter seen in another module
-            if converted is None:
-                placement = placements.get(name, replicated) if direct else replicated
-                placement = [placement] if isinstance(placement, Placement) else list(placement)
-                dt = distribute(p.data, mesh, placement, src_data_rank)
-                converted = p._hf_moe_tp_dtensor = nn.Parameter(dt, requires_grad=p.requires_grad)
-            owner.register_parameter(name, converted)
-        if buffers:
-            for name, b in list(owner.named_buffers(recurse=False)):
-                if b is not None and not isinstance(b, DTensor):
-                    owner._buffers[name] = distribute_tensor(b, mesh, replicated, src_data_rank=src_data_rank)
-
-
-def distribute(t: torch.Tensor, mesh: DeviceMesh, placements: list[Placement], src_data_rank: int | None
-               ) -> DTensor:
-    """``distribute_tensor``, also for uneven ``_StridedShard`` placements, whose scatter torch refuses: each rank
-    then cuts its own pieces from the source rank's tensor (broadcast first where there are values to agree on)."""
-    if not any(is_strided_shard(p) for p in placements):
-        return distribute_tensor(t, mesh, placements, src_data_rank=src_data_rank)
-    checkpoint_pieces()  # so that torch DCP saves and loads its pieces
-    if src_data_rank is not None and t.device.type != "meta" and mesh.size() > 1:
-        t = t.detach().clone()
-        for d in range(mesh.ndim):  # from the source coordinate along each dim in turn: (src, src, ...) to all
-            if mesh.size(d) > 1:
-                torch.distributed.broadcast(t, group=mesh.get_group(d), group_src=src_data_rank)
-    return distribute_tensor(t, mesh, placements, src_data_rank=None)
 
 
 def _replicated_local(arg: Any, layout: Placement, mesh: DeviceMesh, sizes: dict[tuple[int, int], int],

@@ -14,13 +14,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from ..._compat import is_strided_shard, strided_shard
 from ...parallel.boxes import shard_dim
+from ...parallel.local_swap import swap_back, swap_in
+from ...parallel.mesh_sums import _SumGradOverMesh
 from ...parallel.model_state import style_of
 from ...parallel.style_facts import experts_split_by
-from ...parallel.styles import (
-    _SumGradOverMesh,
-    swap_back,
-    swap_in,
-)
 from ...runtime.changes import bind
 from .checks import EXPERT_WEIGHTS, UnsupportedLoraError, _ep_dim, _tp_dim, below_fsdp
 from .placement import _distribute, _draw_whole, _MeanGradOver, _Placement

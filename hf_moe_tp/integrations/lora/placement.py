@@ -15,14 +15,11 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ...parallel.boxes import shard_dim
+from ...parallel.distribute import distribute
 from ...parallel.linear import KEEP_SPLIT
+from ...parallel.local_swap import local_during_forward
+from ...parallel.mesh_sums import _SumGradOverMesh, sum_over_mesh
 from ...parallel.style_facts import keeps_whole, transformers_names
-from ...parallel.styles import (
-    _SumGradOverMesh,
-    distribute,
-    local_during_forward,
-    sum_over_mesh,
-)
 from .checks import UnsupportedLoraError, _tp_dim
 
 
