@@ -22,7 +22,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import DeepseekV3Config
 
 from hf_moe_tp.checkpoint.fp8 import config_fp8_view, keep_fp8_weights, place_scales
-from hf_moe_tp.checkpoint.quantized import Quantization
+from hf_moe_tp.checkpoint.quantization_config import Quantization
 from hf_moe_tp.parallel import plans
 from hf_moe_tp.parallel.boxes import shard_dim
 from model_patches import meta_model

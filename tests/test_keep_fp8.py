@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config, GptOssConfi
 
 import hf_moe_tp
 from hf_moe_tp.checkpoint.fp8 import Fp8Experts, Fp8Linear
-from hf_moe_tp.checkpoint.quantized import RepeatedScale
+from hf_moe_tp.checkpoint.quantized_formats import RepeatedScale
 
 FP32_TOL = 1e-5
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))

@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config, GptOssConfi
 
 import hf_moe_tp
 from hf_moe_tp.checkpoint import Checkpoint
-from hf_moe_tp.checkpoint.quantized import Fp8Weight, Mxfp4Weight
+from hf_moe_tp.checkpoint.quantized_formats import Fp8Weight, Mxfp4Weight
 
 FP32_TOL = 2e-5
 

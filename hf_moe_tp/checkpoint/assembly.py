@@ -36,7 +36,8 @@ from ..parallel.boxes import pieces, shard_dim
 from ..parallel.experts import GroupedExperts
 from .conversions import model_keys, parameter_sources
 from .files import ST_DTYPES
-from .quantized import SCALE_SUFFIX, kept_scales, scale_sources
+from .quantized import kept_scales, scale_sources
+from .quantized_formats import SCALE_SUFFIX
 from .save_folder import SaveError
 from .sources import Axis, Box, Request, Source
 

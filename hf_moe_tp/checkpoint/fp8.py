@@ -43,15 +43,9 @@ from ..parallel.style_facts import computes_locally, transformers_names
 from .assembly import transformers_keys
 from .conversions import model_keys, parameter_sources
 from .files import Checkpoint, TensorInfo
-from .quantized import (
-    BlockScales,
-    CheckpointView,
-    Fp8Weight,
-    Quantization,
-    checkpoint_view,
-    fp8_to_float32,
-    scale_values,
-)
+from .quantization_config import Quantization
+from .quantized import CheckpointView, checkpoint_view
+from .quantized_formats import BlockScales, Fp8Weight, fp8_to_float32, scale_values
 from .sources import Axis, Source
 
 CHUNK = 8  # experts dequantized at a time when all of them are

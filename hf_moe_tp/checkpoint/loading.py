@@ -26,7 +26,7 @@ from ..parallel.boxes import local_pieces
 from ..runtime.agreement import rank
 from .conversions import ReadMap, read_map
 from .files import Checkpoint, CheckpointError
-from .quantized import Quantization
+from .quantization_config import Quantization
 from .sources import Request
 
 # safetensors dtypes a floating parameter may be filled from (cast while copying)

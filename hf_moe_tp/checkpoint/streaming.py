@@ -29,7 +29,8 @@ from ..parallel.model_state import placed
 from ..runtime.agreement import RanksFailed, agree, rank
 from .assembly import assemble, save_plan, wire
 from .engine_slices import engine_placements, slice_of
-from .quantized import SCALE_SUFFIX, fp8_to_float32, quantization_of, scale_values
+from .quantization_config import quantization_of
+from .quantized_formats import SCALE_SUFFIX, fp8_to_float32, scale_values
 
 
 class StreamError(RanksFailed):

@@ -30,7 +30,8 @@ from ..checkpoint.conversions import ReadMap, read_map
 from ..checkpoint.files import INDEX_FILE, SINGLE_FILE, ST_DTYPES, Checkpoint
 from ..checkpoint.fp8 import config_fp8_view, keep_fp8_weights, place_scales
 from ..checkpoint.loading import default_threads, load_targets
-from ..checkpoint.quantized import checkpoint_view, quantization_of
+from ..checkpoint.quantization_config import quantization_of
+from ..checkpoint.quantized import checkpoint_view
 from ..options import LoadOptions
 from ..parallel import plans
 from ..parallel.boxes import pieces

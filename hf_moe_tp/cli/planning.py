@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .._compat import MODEL_SUPPORTS_FLASH, MODEL_SUPPORTS_SDPA
-from ..checkpoint.quantized import quantization_of
+from ..checkpoint.quantization_config import quantization_of
 from ..parallel.activations import Shape, Split, backward_peak_bytes, forward_peak_bytes, saved_bytes
 from ..parallel.communication import Weights, sent_bytes
 from ..parallel.experts import GroupedExperts

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from .._compat import CONFIG_EXPERTS_IMPLEMENTATION
-from ..checkpoint.quantized import check_requested, quantization_of, refuse_requested
+from ..checkpoint.quantization_config import check_requested, quantization_of, refuse_requested
 from ..parallel.experts import IMPLEMENTATIONS
 
 # Hub download options: they go to huggingface_hub for a repo id (and are meaningless for a local directory,
