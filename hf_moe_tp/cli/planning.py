@@ -15,6 +15,7 @@ a term is uncertain it errs high: a plan must not say a layout fits when it does
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -224,7 +225,8 @@ class Model:
             held, shard = c.memory["weights"], lay["fsdp"] * lay["cp"]
             head = self.head_params * (4 if job.master_float32 else job.dtype.itemsize) // lay["tp"]  # split by TP
             weights = Weights(held, held * shard - head, self.largest_unit, trained)
-            split = Split(tp=lay["tp"], ep=lay["ep"], cp=lay["cp"], sequence_parallel=c.sequence_parallel)
+            split = Split(tp=lay["tp"], ep=lay["ep"], cp=lay["cp"], sequence_parallel=c.sequence_parallel,
+                          attention_tp=_splits_attention(found))
             c.sent = sent_bytes(self.shape, split, job.seq_len, job.dtype.itemsize, weights, fsdp=lay["fsdp"],
                                 dp_replicate=lay["dp_replicate"], micro_batch=job.micro_batch,
                                 weight_bytes=4 if job.master_float32 else job.dtype.itemsize)
@@ -247,13 +249,14 @@ def _estimate(lay: dict, sp: bool, found, shape: Shape, job: Job, cluster: Clust
         if lay["fsdp"] * lay["cp"] > 1:  # two layers gathered in compute dtype
             c.memory["fsdp buffers"] = int(2 * largest_unit * weights * lay["fsdp"] * lay["cp"] * compute
                                            / found.dtype_bytes)
-        split = Split(tp=lay["tp"], ep=lay["ep"], cp=lay["cp"], sequence_parallel=sp, checkpointing=job.checkpointing)
+        split = Split(tp=lay["tp"], ep=lay["ep"], cp=lay["cp"], sequence_parallel=sp, checkpointing=job.checkpointing,
+                      attention_tp=_splits_attention(found))
         c.memory["activations"] = saved_bytes(shape, split, job.seq_len, compute, job.micro_batch, scores=eager)
         c.memory["backward peak"] = backward_peak_bytes(shape, split, job.seq_len, job.micro_batch, scores=eager)
     else:
-        c.memory["kv cache"] = _kv_bytes(shape, job, lay["tp"])
-        c.memory["activations"] = forward_peak_bytes(shape, Split(tp=lay["tp"], ep=lay["ep"]), job.seq_len, compute,
-                                                     scores=eager)
+        split = Split(tp=lay["tp"], ep=lay["ep"], attention_tp=_splits_attention(found))
+        c.memory["kv cache"] = _kv_bytes(shape, job, lay["tp"] if split.attention_tp else 1)
+        c.memory["activations"] = forward_peak_bytes(shape, split, job.seq_len, compute, scores=eager)
     usable = cluster.usable()
     c.fits = c.total <= usable
     if not c.fits:
@@ -261,6 +264,12 @@ def _estimate(lay: dict, sp: bool, found, shape: Shape, job: Job, cluster: Clust
         c.why = (f"needs {c.total / GIB:.1f} GiB of {usable / GIB:.1f} GiB usable per rank; the largest term is "
                  f"{term} ({size / GIB:.1f} GiB)")
     return c
+
+
+def _splits_attention(found) -> bool:
+    """Whether the plan inspected in ``found`` splits attention (an entry under a layer's attention module): a
+    family's plan may leave it whole on every rank (transformers 5.24's DeepSeek-V3 leaves MLA so)."""
+    return any(re.search(r"\.(self_attn|attn|attention)\.", name) for name in found.plan)
 
 
 def _kv_bytes(shape: Shape, job: Job, tp: int) -> int:

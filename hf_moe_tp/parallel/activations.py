@@ -97,6 +97,7 @@ class Split:
     cp: int = 1
     sequence_parallel: bool = False
     checkpointing: bool = False  # activation checkpointing of every decoder layer
+    attention_tp: bool = True  # TP splits attention's heads (a family's plan may leave attention whole)
     skew: float = 1.25  # expert parallelism: the busiest rank's share of routed tokens over the mean
 
 
@@ -127,7 +128,8 @@ def saved_bytes(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, micr
             attention_split += norm(s.heads * s.head_dim) + norm(s.kv_heads * s.head_dim)
     if cp > 1:  # Ulysses: the heads' tensors kept before the all-to-all (this rank's tokens, every head) and after
         attention_split *= 2
-    attention = attention_whole + (attention_split + s.heads * per_head) / t + 2 * s.head_dim * 4
+    heads_over = t if split.attention_tp else 1
+    attention = attention_whole + (attention_split + s.heads * per_head) / heads_over + 2 * s.head_dim * 4
     router = s.hidden * b + s.experts * (b + 5) + s.top_k * 16 + 16
     share = split.skew / split.ep if split.ep > 1 else 1.0  # of the routed tokens, on the busiest rank
     expert_hidden = s.expert_hidden / (t if split.ep == 1 else 1)
@@ -164,4 +166,4 @@ def forward_peak_bytes(shape: Shape, split: Split, seq_len: int, dtype_bytes: in
 def _layer_scores(shape: Shape, split: Split, seq_len: int, micro_batch: int) -> float:
     """One layer's attention scores on a rank, in float32: its heads, each query of its tokens against the whole
     sequence."""
-    return shape.heads / split.tp * seq_len * micro_batch * seq_len / split.cp * 4
+    return shape.heads / (split.tp if split.attention_tp else 1) * seq_len * micro_batch * seq_len / split.cp * 4

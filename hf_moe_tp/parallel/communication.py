@@ -74,8 +74,9 @@ def sent_bytes(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, weigh
         gathers = one_way(tokens * (2 * s.hidden + s.top_k) * b, t)  # routing weights and stream to the router
         out["ep"] = s.moe_layers * (4 * one_way(routed, split.ep) + gathers)
     if cp > 1:
-        heads = s.heads / t
-        kv = _kv_heads_for(s.kv_heads // t or 1, cp)
+        ta = t if split.attention_tp else 1
+        heads = s.heads / ta
+        kv = _kv_heads_for(s.kv_heads // ta or 1, cp)
         per_token = (heads * (s.head_dim + s.value_dim) + kv * (s.head_dim + s.value_dim)) * b
         exchanged = 2 * s.layers * one_way(tokens * per_token, cp)  # each way in forward and in backward
         gathered = one_way(tokens * cp * (s.hidden + s.vocab) * b, cp)  # the hidden states, then the logits
@@ -102,6 +103,8 @@ def _tp(s: Shape, split: Split, tokens: float, b: int, wb: int) -> float:
         reduced += 3 * h  # q, k, v: each all-reduces its input's gradient
         readers = 3
     attention_out = h  # o_proj
+    if not split.attention_tp:  # attention whole on every rank (the family's plan leaves it so): no collectives
+        reduced = attention_out = 0
     experts = s.moe_layers
     dense = s.layers - s.moe_layers
     shared = 1 if s.shared_hidden else 0
@@ -112,10 +115,10 @@ def _tp(s: Shape, split: Split, tokens: float, b: int, wb: int) -> float:
                       + dense * 2 * h)
     if sp:  # gathers before each reader, attention and dense outputs scattered, experts' output all-reduced
         gathered = s.layers * readers * h + experts * (2 + 2 * shared) * h + dense * 2 * h
-        scattered = (s.layers + dense) * attention_out
+        scattered = s.layers * attention_out + dense * h
         forward_reduced = experts * (split_experts + shared) * h
     else:
-        forward_reduced = (s.layers + dense) * attention_out + experts * (split_experts + shared) * h
+        forward_reduced = s.layers * attention_out + dense * h + experts * (split_experts + shared) * h
     # the embedding's rows (of the whole sequence: it runs before context parallelism's split), the head's input
     # gradient, the loss's float32 maxima and sums
     model = (split.cp + 1) * h + 3 * 4 / b
