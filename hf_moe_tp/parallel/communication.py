@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .activations import Shape, Split
+from .context_parallel import _kv_repeat
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,8 @@ def sent_bytes(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, weigh
         out["ep"] = s.moe_layers * (4 * one_way(routed, split.ep) + gathers)
     if cp > 1:
         ta = t if split.attention_tp else 1
-        heads = s.heads / ta
-        kv = _kv_heads_for(s.kv_heads // ta or 1, cp)
+        heads, kv = s.heads // ta, s.kv_heads // ta or 1
+        kv *= _kv_repeat(heads, kv, cp)  # as Ulysses attention repeats them to divide by cp
         per_token = (heads * (s.head_dim + s.value_dim) + kv * (s.head_dim + s.value_dim)) * b
         exchanged = 2 * s.layers * one_way(tokens * per_token, cp)  # each way in forward and in backward
         gathered = one_way(tokens * cp * (s.hidden + s.vocab) * b, cp)  # the hidden states, then the logits
@@ -113,12 +114,12 @@ def _tp(s: Shape, split: Split, tokens: float, b: int, wb: int) -> float:
     # shared MLPs' gate and up inputs
     reduced_layers = (s.layers * reduced + experts * ((h + s.top_k * 4 / b) * split_experts + 2 * h * shared)
                       + dense * 2 * h)
-    if sp:  # gathers before each reader, attention and dense outputs scattered, experts' output all-reduced
+    forward_reduced = experts * (split_experts + shared) * h  # the experts' and shared experts' outputs
+    if sp:  # gathers before each reader, attention and dense outputs scattered
         gathered = s.layers * readers * h + experts * (2 + 2 * shared) * h + dense * 2 * h
         scattered = s.layers * attention_out + dense * h
-        forward_reduced = experts * (split_experts + shared) * h
     else:
-        forward_reduced = s.layers * attention_out + dense * h + experts * (split_experts + shared) * h
+        forward_reduced += s.layers * attention_out + dense * h
     # the embedding's rows (of the whole sequence: it runs before context parallelism's split), the head's input
     # gradient, the loss's float32 maxima and sums
     model = (split.cp + 1) * h + 3 * 4 / b
@@ -129,11 +130,3 @@ def _tp(s: Shape, split: Split, tokens: float, b: int, wb: int) -> float:
     norms = ((2 * s.layers + 1) * h if sp else 0) + (2 * s.layers * s.head_dim if s.qk_norm else 0)
     wire += all_reduce(norms * wb, t)
     return wire
-
-
-def _kv_heads_for(local: int, cp: int) -> int:
-    """Key / value heads per rank after repeating them (as few times as makes them divide by ``cp``)."""
-    r = 1
-    while (local * r) % cp:
-        r += 1
-    return local * r
