@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -453,6 +454,11 @@ def test_lora_plans_the_adapters_alone_as_trained(ranks, checkpoints):
         got = max(h[term] for h in held)
         assert got <= lora[term] <= 2 * got, (term, lora[term], got)
     assert lora["weights"] - full["weights"] == lora["gradients"] < full["gradients"] / 10
+    # whether it fits is judged on the adapters' gradients and state, not the full model's
+    lora_total = sum(lora.values())
+    tight = Cluster(2, 2, GIB + math.ceil(lora_total / 0.92) + 1024)
+    assert model.estimate(lay, tight, Job(dtype=torch.float32, seq_len=16, lora_rank=4)).fits
+    assert not model.estimate(lay, tight, Job(dtype=torch.float32, seq_len=16)).fits
     with pytest.raises(ValueError, match="plans training adapters"):
         Job(training=False, lora_rank=4)
 

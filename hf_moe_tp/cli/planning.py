@@ -212,57 +212,54 @@ class Model:
         except (ValueError, NotImplementedError) as e:  # a layout the library refuses
             return Candidate(lay, False, why=f"refused: {str(e).splitlines()[0][:160]}")
         sp = lay["tp"] > 1 and job.training if sequence_parallel is None else sequence_parallel
-        c = _estimate(lay, sp, found, self.shape, job, cluster, self.largest_unit,
-                      self.eager or job.eager_attention)
-        trained = 1.0
-        if job.training and job.lora_rank:  # the base frozen: gradients and state for the adapters only
-            adapters = _lora_params(self._model, job.lora_rank, job.lora_experts) * 4  # float32, as PEFT makes them
-            trained = adapters / (c.memory["weights"] + adapters)
-            c.memory["weights"] += adapters  # every rank all of them: errs high where TP or FSDP2 split them
-            c.memory["gradients"] = adapters
-            c.memory["optimizer"] = {"adamw": 2, "sgd": 1, "none": 0}[job.optimizer] * adapters
+        split = Split(tp=lay["tp"], ep=lay["ep"], cp=lay["cp"], sequence_parallel=sp,
+                      checkpointing=job.checkpointing and job.training, attention_tp=_splits_attention(found))
+        # LoRA: the base frozen, gradients and state for the adapters only (float32, as PEFT makes them)
+        adapters = _lora_params(self._model, job.lora_rank, job.lora_experts) * 4 if job.lora_rank else 0
+        c = _estimate(lay, split, found, self.shape, job, self.largest_unit, self.eager or job.eager_attention,
+                      adapters)
         if job.training:
+            wb = 4 if job.master_float32 else job.dtype.itemsize  # the parameters' dtype
             held, shard = c.memory["weights"], lay["fsdp"] * lay["cp"]
-            head = self.head_params * (4 if job.master_float32 else job.dtype.itemsize) // lay["tp"]  # split by TP
-            weights = Weights(held, held * shard - head, self.largest_unit, trained)
-            split = Split(tp=lay["tp"], ep=lay["ep"], cp=lay["cp"], sequence_parallel=c.sequence_parallel,
-                          attention_tp=_splits_attention(found))
+            head = self.head_params * wb // lay["tp"]  # the output head, split by TP
+            weights = Weights(held, held * shard - head, self.largest_unit, (adapters or held) / held)
             c.sent = sent_bytes(self.shape, split, job.seq_len, job.dtype.itemsize, weights, fsdp=lay["fsdp"],
-                                dp_replicate=lay["dp_replicate"], micro_batch=job.micro_batch,
-                                weight_bytes=4 if job.master_float32 else job.dtype.itemsize)
+                                dp_replicate=lay["dp_replicate"], micro_batch=job.micro_batch, weight_bytes=wb)
+        usable = cluster.usable()
+        c.fits = c.total <= usable
+        if not c.fits:
+            term, size = max(c.memory.items(), key=lambda kv: kv[1])
+            c.why = (f"needs {c.total / GIB:.1f} GiB of {usable / GIB:.1f} GiB usable per rank; the largest term is "
+                     f"{term} ({size / GIB:.1f} GiB)")
         return c
 
 
-def _estimate(lay: dict, sp: bool, found, shape: Shape, job: Job, cluster: Cluster, largest_unit: float,
-              eager: bool) -> Candidate:
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # tensors of a parameter's size each optimizer keeps
+
+
+def _estimate(lay: dict, split: Split, found, shape: Shape, job: Job, largest_unit: float, eager: bool,
+              adapters: int) -> Candidate:
+    """The busiest rank's memory by term at ``lay`` (``adapters``: LoRA's bytes, the only ones trained)."""
     compute = job.dtype.itemsize
     busiest = max(range(len(found.rank_bytes)), key=found.rank_bytes.__getitem__)
     weights = found.rank_bytes[busiest]  # in the job's dtype (float32-kept parameters in float32)
     kept = found.rank_quantized_bytes[busiest] if found.rank_quantized_bytes else 0
-    c = Candidate(lay, sp, {"weights": weights - kept}, read_bytes=max(found.rank_disk_bytes or [0]))
+    c = Candidate(lay, split.sequence_parallel, {"weights": weights - kept + adapters},
+                  read_bytes=max(found.rank_disk_bytes or [0]))
     if kept:
         c.memory["fp8 weights kept"] = kept  # with their scales
     if job.training:
-        state = {"adamw": 2, "sgd": 1, "none": 0}[job.optimizer]
-        c.memory["gradients"] = weights
-        c.memory["optimizer"] = state * weights
+        trained = adapters or weights  # every adapter counted whole on every rank: errs high where TP splits them
+        c.memory["gradients"] = trained
+        c.memory["optimizer"] = OPTIMIZER_STATES[job.optimizer] * trained
         if lay["fsdp"] * lay["cp"] > 1:  # two layers gathered in compute dtype
             c.memory["fsdp buffers"] = int(2 * largest_unit * weights * lay["fsdp"] * lay["cp"] * compute
                                            / found.dtype_bytes)
-        split = Split(tp=lay["tp"], ep=lay["ep"], cp=lay["cp"], sequence_parallel=sp, checkpointing=job.checkpointing,
-                      attention_tp=_splits_attention(found))
         c.memory["activations"] = saved_bytes(shape, split, job.seq_len, compute, job.micro_batch, scores=eager)
         c.memory["backward peak"] = backward_peak_bytes(shape, split, job.seq_len, job.micro_batch, scores=eager)
     else:
-        split = Split(tp=lay["tp"], ep=lay["ep"], attention_tp=_splits_attention(found))
         c.memory["kv cache"] = _kv_bytes(shape, job, lay["tp"] if split.attention_tp else 1)
         c.memory["activations"] = forward_peak_bytes(shape, split, job.seq_len, compute, scores=eager)
-    usable = cluster.usable()
-    c.fits = c.total <= usable
-    if not c.fits:
-        term, size = max(c.memory.items(), key=lambda kv: kv[1])
-        c.why = (f"needs {c.total / GIB:.1f} GiB of {usable / GIB:.1f} GiB usable per rank; the largest term is "
-                 f"{term} ({size / GIB:.1f} GiB)")
     return c
 
 
