@@ -185,12 +185,17 @@ def local_model(path: str | Path) -> Path:
     return folder if all((folder / f).is_file() for f in files) else folder / "config.json"
 
 
-def _config_view(model, config, path: Path):
-    """A config alone, planned with its FP8 weights kept: the hub's FP8 layout for its ``quantization_config``."""
-    quantization = quantization_of(config, path)
+def fp8_to_keep(quantization, path) -> None:
+    """Refuse, naming ``path``, to keep FP8 weights of a model whose ``quantization`` is not FP8."""
     if quantization is None or quantization.method != "fp8":
         raise ValueError(f"keep_quantized: {path} declares no FP8 quantization_config "
                          f"({quantization.method if quantization else 'none'}); plan without keep_quantized")
+
+
+def _config_view(model, config, path: Path):
+    """A config alone, planned with its FP8 weights kept: the hub's FP8 layout for its ``quantization_config``."""
+    quantization = quantization_of(config, path)
+    fp8_to_keep(quantization, path)
     return config_fp8_view(model, quantization)
 
 

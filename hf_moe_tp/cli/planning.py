@@ -197,9 +197,10 @@ class Model:
 
     def plan(self, cluster: Cluster, job: Job) -> list[Candidate]:
         """:func:`plan` of this model (built once, however many clusters it is planned for)."""
-        if job.keep_quantized and (self.quantization is None or self.quantization.method != "fp8"):
-            raise ValueError(f"keep_quantized: {self.path} declares no FP8 quantization_config "
-                             f"({self.quantization.method if self.quantization else 'none'}); plan without it")
+        if job.keep_quantized:  # refused once, not once per layout
+            from .inspection import fp8_to_keep
+
+            fp8_to_keep(self.quantization, self.path)
         out = [self.estimate(lay, cluster, job) for lay in layouts(cluster, self.shape, job)]
         return sorted(out, key=lambda c: rank_key(c, cluster))
 
