@@ -499,6 +499,22 @@ def test_plan_on_the_command_line(checkpoints, capsys, tmp_path):
     assert listed[0]["read_bytes"] == max(read.rank_disk_bytes)
 
 
+def test_plan_options_on_the_command_line(checkpoints, capsys):
+    """The command line's job and cluster options reach the plan: ``--lora-rank`` / ``--lora-experts`` (LoRA's
+    memory), ``--node-bandwidth`` / ``--network-bandwidth`` (the wire ranking), and ``--keep-quantized`` on a model
+    without FP8 is refused naming it (exit 2)."""
+    path = checkpoints["mixtral"]
+    args = ["plan", path, "--gpus", "4", "--gpus-per-node", "2", "--json", "--lora-rank", "4", "--lora-experts",
+            "--node-bandwidth", "100", "--network-bandwidth", "10"]
+    assert main(args) == 0
+    listed = json.loads(capsys.readouterr().out)
+    cluster = Cluster(4, 2, 80 * GIB, 100e9, 10e9)
+    want = Model(path).plan(cluster, Job(lora_rank=4, lora_experts=True))
+    assert [(c["name"], c["memory"], c["sent"]) for c in listed] == [(c.name(), c.memory, c.sent) for c in want]
+    assert main(["plan", path, "--gpus", "2", "--inference", "--keep-quantized"]) == 2
+    assert "declares no FP8 quantization_config" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_plan_of_a_671b_config_on_a_laptop(tmp_path, capsys):
     """DeepSeek-V3 at its own size (transformers' defaults, a config alone) plans in one process: training on 8
