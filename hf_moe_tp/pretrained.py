@@ -40,10 +40,11 @@ from .parallel.expert_balance import balance_experts
 from .parallel.fsdp import divide_expert_gradients, shard_data_parallel
 from .parallel.input_check import check_inputs_on, check_mode
 from .parallel.layout import Layout
-from .parallel.meshes import declare, init_process_group, mesh_device, resolve_layout
+from .parallel.meshes import init_process_group, mesh_device, resolve_layout
 from .parallel.model_state import state_of
 from .parallel.randomness import generate_on_leader_state, same_draws_in_training
 from .parallel.resize import bind_resize
+from .parallel.transformers_meshes import declare
 from .runtime import agreement
 from .runtime.timeouts import DEFAULT_TIMEOUT_S, explain_collective_failures, set_timeout
 

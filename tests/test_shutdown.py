@@ -37,11 +37,12 @@ def test_declared_views_let_go_too():
     at exit as well, and nothing else of hf_moe_tp holds the world group (a weak reference only)."""
     import types
 
-    from hf_moe_tp.parallel import meshes
+    from hf_moe_tp.parallel import transformers_meshes as meshes
+    from hf_moe_tp.parallel.layout import Layout
 
     _world_of_one()
     try:
-        layout = meshes.Layout(init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)))
+        layout = Layout(init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)))
         shutdown.release_at_exit(layout.tp)
         model = types.SimpleNamespace(config=types.SimpleNamespace())
         meshes.declare(model, layout)

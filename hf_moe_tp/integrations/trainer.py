@@ -1,8 +1,9 @@
 """transformers' ``Trainer`` (and accelerate under it) on hf_moe_tp models.
 
 A loaded model declares its layout the way transformers' own models sharded at load time (``DistributedConfig``) do
-(:func:`hf_moe_tp.parallel.meshes.declare`): ``_tp_size`` (the ranks that share a batch), ``config.distributed_config``
-(its data-parallel size) and ``is_distributed_loading_by_transformers`` (it owns its placement and gradient reduction).
+(:func:`hf_moe_tp.parallel.transformers_meshes.declare`): ``_tp_size`` (the ranks that share a batch),
+``config.distributed_config`` (its data-parallel size) and ``is_distributed_loading_by_transformers`` (it owns its
+placement and gradient reduction).
 From that the Trainer, unchanged, builds accelerate's ``ParallelismConfig(tp_size, dp_shard_size)``, whose dataloader
 hands the ranks of a TP group the same batches and the data-parallel ranks different ones; it neither moves the model
 nor wraps it in DDP, scales the loss and clips the norm as for its own TP models, and keeps every rank in ``save_model``
@@ -217,7 +218,7 @@ def reference_like_policy(args: Any, model: nn.Module) -> None:
     kwargs = dict(args.model_init_kwargs or {})
     if {"distributed_config", "tp_plan", "device_mesh"} & set(kwargs):
         return
-    config = copy.copy(model.config.distributed_config)  # its ep_size included (hf_moe_tp.parallel.meshes.declare)
+    config = copy.copy(model.config.distributed_config)  # its ep_size included (transformers_meshes.declare)
     args.model_init_kwargs = {**kwargs, "distributed_config": config}
     from .install import install_for_one_load
 

@@ -2,7 +2,8 @@
 ``transformers serve`` and TRL's ``use_transformers_paged=True`` use) on a loaded model.
 
 transformers runs it tensor-parallel by itself once it knows the model's TP mesh: its ``DistributedHelper`` reads
-``model._device_mesh`` (declared with the layout: :func:`hf_moe_tp.parallel.meshes.declare`) and ``model.tp_plan``,
+``model._device_mesh`` (declared with the layout: :func:`hf_moe_tp.parallel.transformers_meshes.declare`) and
+``model.tp_plan``,
 sizes the paged cache for each rank's own key/value heads when the plan splits ``k_proj`` / ``v_proj``, and lets TP rank
 0 own the request queue and broadcast every scheduling decision, so all ranks of the group run the same batches (our
 input check still compares them). That works where every rank of the world runs the same batches (TP, and EP over the TP
