@@ -8,7 +8,7 @@ from fake_group import as_rank
 from families import configs
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from hf_moe_tp.parallel import plans
+from hf_moe_tp.parallel import plans, style_names
 from hf_moe_tp.parallel.linear import LocalColwiseParallel
 from model_patches import meta_model
 
@@ -140,6 +140,30 @@ def test_described_plan_is_transformers(fake_ranks):
         assert _get_parameter_plan("model.layers.1.self_attn.q_proj.weight", described) == "colwise"
         assert _get_parameter_plan("model.layers.1.self_attn.o_proj.weight", described) == "rowwise"
         assert _get_parameter_plan("model.layers.1.post_attention_layernorm.weight", described) is None
+        unknown = {n: v for n, v in described.items() if not style_names.known(v)}
+        assert not unknown, f"names the plan describes itself by that style_names does not know: {unknown}"
+
+
+def test_style_names_are_one_vocabulary():
+    """Every name a plan may hold, ours or transformers', means one thing (style_names): a string plan value makes
+    the style its name says; a transformers expert name means ours on an experts module; a name with no style of its
+    own (an expert name on a plain module, an unknown one) is refused naming it; ours are what install() registers in
+    transformers' ParallelInterface."""
+    from hf_moe_tp import ExpertParallel, TensorParallel
+    from hf_moe_tp.parallel.styles import NoParallel, VocabParallelEmbedding
+
+    plan = plans.resolve_plan({"a": "hf_moe_tp_experts", "b": "hf_moe_tp_expert_parallel", "c": "hf_moe_tp_router",
+                               "d": "colwise", "e": "embedding_rowwise", "f": LocalColwiseParallel()})
+    for name, kind in (("a", TensorParallel), ("b", ExpertParallel), ("c", NoParallel), ("d", LocalColwiseParallel),
+                       ("e", VocabParallelEmbedding), ("f", LocalColwiseParallel)):
+        assert type(plan[name]) is kind, (name, plan[name])
+    assert style_names.for_experts("packed_colwise") == style_names.for_experts("rowwise") == "hf_moe_tp_experts"
+    assert style_names.for_experts("grouped_gemm") == "hf_moe_tp_expert_parallel"
+    for name in ("grouped_gemm", "mystery"):
+        with pytest.raises(ValueError, match=rf"unknown parallel style '{name}' for 'x'; known: .*colwise"):
+            plans.resolve_plan({"x": name})
+    assert set(style_names.ours()) == {"hf_moe_tp_experts", "hf_moe_tp_expert_parallel", "hf_moe_tp_router",
+                                       "hf_moe_tp_replicated", "hf_moe_tp_local_sum_grads"}
 
 
 def test_experts_the_split_would_cut_stay_whole(fake_ranks, caplog):

@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ..parallel.boxes import shard_dim
 from ..parallel.distribute import distribute
 from ..parallel.experts import GroupedExperts
-from ..parallel.plans import _style_for
+from ..parallel.plans import style_for
 from ..parallel.style_facts import computes_locally, transformers_names
 from .assembly import transformers_keys
 from .conversions import model_keys, parameter_sources
@@ -223,7 +223,7 @@ def keep_fp8_weights(model: nn.Module, path: str | Path, plan: dict[str, Paralle
     for owner, weights in modules.items():
         module = model.get_submodule(owner)
         if isinstance(module, nn.Linear):
-            style = _style_for(owner, plan)
+            style = style_for(owner, plan)
             if not computes_locally(style, module):
                 raise ValueError(f"keep_quantized=True: FP8 linear {owner} is planned as {style!r}, which computes on "
                                  "DTensors; FP8 linears run under LocalColwiseParallel / LocalRowwiseParallel or "

@@ -24,8 +24,8 @@ from transformers import PreTrainedModel
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
 from .._compat import unregister_parallel_style
+from ..parallel import style_names
 from ..parallel.config import SETTINGS, ParallelConfig
-from ..parallel.plans import STYLE_NAMES
 from ..runtime import changes
 from . import experts_interface
 from .hf_arguments import HUB_OPTIONS
@@ -47,7 +47,7 @@ def install() -> None:
     experts_interface.register(GROUP)  # transformers' own experts: grouped matmul with a loop where torch refuses
     changes.replace(GROUP, PreTrainedModel, "from_pretrained",
                     classmethod(_wrap(PreTrainedModel.from_pretrained.__func__)))
-    for name in STYLE_NAMES:
+    for name in style_names.ours():
         ALL_PARALLEL_STYLES.register(name, _AppliedByHfMoeTp(name))
         changes.on_undo(GROUP, f"transformers' parallel style {name!r}",
                         lambda name=name: unregister_parallel_style(name))

@@ -1,6 +1,6 @@
 """transformers' plan entries that torch has no style for, and plan gaps of some families, translated to ours.
 
-``tp_plan`` maps transformers' column/row-wise names to torch's styles (``plans.HF_STYLES``); the entries here
+``tp_plan`` maps transformers' column/row-wise names to torch's styles (``style_names.NAMES``); the entries here
 need a look at the model: ``mla_kv_a_proj`` (MLA attention), ``local_params`` (per-head sinks and biases split
 by name), per-head norms some plans leave out, row-wise entries whose inputs nothing splits, and split layers
 that hold submodules with parameters. Also what every plan reader shares: how a plan key matches a module name

@@ -16,7 +16,7 @@ import re
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -27,6 +27,7 @@ from transformers import PretrainedConfig
 
 from .._compat import MODEL_TP_PLAN
 from ..runtime.shutdown import release_at_exit
+from . import style_names
 from .config import ParallelConfig
 from .expert_balance import count_tokens_per_expert
 from .expert_parallel import ExpertParallel
@@ -34,7 +35,7 @@ from .experts import GroupedExperts
 from .fsdp import keep_training_fresh
 from .hf_plan import entries, heads_divide, matches
 from .layout import Layout
-from .linear import LocalColwiseParallel, LocalRowwiseParallel
+from .linear import LocalColwiseParallel
 from .local_swap import LocalDuringCall, swap_to_local
 from .loss import split_loss
 from .model_state import STYLE, family_of, state_of
@@ -44,51 +45,10 @@ from .styles import (
     LocalParams,
     NoParallel,
     TensorParallel,
-    VocabParallelEmbedding,
     unsplittable,
 )
 from .towers import FEATURE_METHODS, owning_config, towers
 
-# transformers' plan names -> torch styles. Expert entries are ours (TensorParallel on GroupedExperts).
-HF_STYLES = {
-    "colwise": lambda: LocalColwiseParallel(),
-    "rowwise": lambda: LocalRowwiseParallel(),
-    "colwise_gather_output": lambda: LocalColwiseParallel(output_layouts=Replicate()),
-    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
-    "embedding_rowwise": lambda: VocabParallelEmbedding(),
-    "replicated_with_grad_allreduce": lambda: LocalParams(),
-    # transformers 5.25: query/key/value projections that "own at least one head" per rank, replicating head
-    # groups where the heads do not divide. Where they divide that is plain column/row-wise; where they do not,
-    # ``_divides`` keeps the whole attention replicated, as for every other family.
-    "unit_colwise": lambda: LocalColwiseParallel(),
-    "unit_rowwise": lambda: LocalRowwiseParallel(),
-}
-# transformers' plan names we read elsewhere or deliberately leave whole (each module then a replicated DTensor,
-# which computes what one process computes): anything else in a family's plan is refused by name, since skipping
-# one projection of a split attention (say its key/value) would compute silently wrong numbers.
-HF_STYLES_HANDLED_ELSEWHERE = {
-    "mla_kv_a_proj": "hf_plan.mla_entries",
-    "local_params": "hf_plan.local_params_entries",
-    "replicate": "kept whole, as transformers keeps it",
-    "embedding_colwise": "kept whole: a whole embedding gives the same output",
-    # transformers 5.24 (Inkling's shared expert): all-reduce a block's partial output; our row-wise styles reduce
-    # their own outputs, so the block's output is whole already
-    "all_reduce": "row-wise outputs are reduced by the row-wise style itself",
-    # expert entries: experts are GroupedExperts under our own styles
-    "moe_tp_experts": "experts", "packed_colwise": "experts", "packed_rowwise": "experts",
-    "grouped_gemm": "experts", "ep_dispatch_experts": "experts",
-}
-# Our styles by name, so plans can be written as strings too (and registered in transformers' ParallelInterface).
-STYLE_NAMES = {
-    "hf_moe_tp_experts": lambda: TensorParallel(),
-    "hf_moe_tp_expert_parallel": lambda: ExpertParallel(),
-    "hf_moe_tp_router": lambda: NoParallel(),
-    "hf_moe_tp_replicated": lambda: LocalParams(sum_grads=False),
-    "hf_moe_tp_local_sum_grads": lambda: LocalParams(),
-}
-# transformers' name for a module computing on this rank's rows of the sequence (a norm): sequence parallelism,
-# which splits the whole residual stream (SequenceParallel on the backbone), not one module
-SEQUENCE_PARALLEL_NAME = "sequence_parallel"
 ROUTER_NAMES = ("gate", "router")
 
 logger = logging.getLogger(__name__)
@@ -135,15 +95,15 @@ def tp_plan(model: nn.Module, tp_size: int | None = None, *, ep_size: int | None
     plan: dict[str, ParallelStyle] = {}
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     family_plan = getattr(model, MODEL_TP_PLAN, None) or {}
-    unknown = {p: st for p, st in family_plan.items() if st not in HF_STYLES and st not in HF_STYLES_HANDLED_ELSEWHERE}
+    unknown = {p: st for p, st in family_plan.items() if not style_names.known(st)}
     if unknown and tp_size is not None and tp_size > 1:
         model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
         raise NotImplementedError(f"{model_type}: transformers' tensor-parallel plan uses style(s) hf_moe_tp does not "
                                   f"translate: {unknown}; splitting the rest would compute wrong numbers. Load it "
                                   f"with tp_plan=None (replicated), or add a translation "
-                                  "in hf_moe_tp/parallel/plans.py")
+                                  "in hf_moe_tp/parallel/style_names.py")
     for pattern, style_name in family_plan.items():
-        if style_name not in HF_STYLES:
+        if not style_names.splits_module(style_name):
             continue
         for name in _match(pattern, modules):
             module = modules[name]
@@ -151,11 +111,11 @@ def tp_plan(model: nn.Module, tp_size: int | None = None, *, ep_size: int | None
                                                   and _is_embedding_or_head(name, model)):
                 continue
             if tp_size is None or _divides(name, module, style_name, owning_config(model, name), tp_size):
-                plan[name] = HF_STYLES[style_name]()
+                plan[name] = style_names.style(style_name)
     head = output_embedding_name(model)
     if (head and head not in plan and not tied and tp_size and isinstance(modules[head], nn.Linear)
             and modules[head].out_features % tp_size == 0):
-        plan[head] = HF_STYLES["colwise_gather_output"]()  # families whose transformers plan leaves it whole
+        plan[head] = style_names.style("colwise_gather_output")  # families whose transformers plan leaves it whole
     family = family_of(model)
     plan.update(entries(model, tp_size))
     plan.update((family.plan if family is not None else FamilyPlan()).entries(model, tp_size))
@@ -272,14 +232,6 @@ def sink_entries(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, 
     return out
 
 
-# transformers' names for what it does to an experts module or its weights -> ours: TensorParallel splits each
-# expert (packed_colwise / colwise on the up projection, rowwise on down_proj), ExpertParallel whole experts
-EXPERT_STYLE_NAMES = {"packed_colwise": "hf_moe_tp_experts", "packed_rowwise": "hf_moe_tp_experts",
-                      "colwise": "hf_moe_tp_experts", "rowwise": "hf_moe_tp_experts",
-                      "moe_tp_experts": "hf_moe_tp_experts", "grouped_gemm": "hf_moe_tp_expert_parallel",
-                      "ep_dispatch_experts": "hf_moe_tp_expert_parallel"}
-
-
 def override(plan: dict[str, ParallelStyle], entries: dict[str, ParallelStyle | str | None], model: nn.Module,
              tp_size: int) -> dict[str, ParallelStyle]:
     """``plan`` (the model's own, :func:`tp_plan`) with ``entries`` overriding it, as a dict ``tp_plan`` means in
@@ -295,7 +247,7 @@ def override(plan: dict[str, ParallelStyle], entries: dict[str, ParallelStyle | 
     out = dict(plan)
     modules = dict(model.named_modules())
     for pattern, style in entries.items():
-        if style == SEQUENCE_PARALLEL_NAME:
+        if style == style_names.SEQUENCE_PARALLEL:
             out.update(sequence_entry(model, tp_size, True))
             _check_sequence_entry(pattern, _match(pattern, modules), modules)
             continue
@@ -303,7 +255,7 @@ def override(plan: dict[str, ParallelStyle], entries: dict[str, ParallelStyle | 
         if not names:  # an experts module's weight, as transformers' plans name them
             owner = pattern.rpartition(".")[0]
             names = [n for n in _match(owner, modules) if isinstance(modules[n], GroupedExperts)] if owner else []
-            if not names or style not in EXPERT_STYLE_NAMES:
+            if not names or not isinstance(style, str) or style_names.for_experts(style) is None:
                 raise ValueError(f"tp_plan entry {pattern!r}: {style!r} names no module of {type(model).__name__} "
                                  "(keys are module names or '*' patterns from the top model, e.g. "
                                  "'model.layers.*.self_attn.q_proj')")
@@ -312,9 +264,9 @@ def override(plan: dict[str, ParallelStyle], entries: dict[str, ParallelStyle | 
             if style is None or style == "replicate":
                 out.pop(name, None)
                 continue
-            if isinstance(style, str) and isinstance(module, GroupedExperts) and style in EXPERT_STYLE_NAMES:
-                style = EXPERT_STYLE_NAMES[style]
-            if isinstance(style, str) and style in HF_STYLES:
+            if isinstance(style, str) and isinstance(module, GroupedExperts) and style_names.for_experts(style):
+                style = style_names.for_experts(style)
+            if isinstance(style, str) and style_names.splits_module(style):
                 if not _divides(name, module, style, owning_config(model, name), tp_size):
                     out.pop(name, None)  # kept whole, as the model's own plan keeps it
                     continue
@@ -349,7 +301,7 @@ def described(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, str
     found: dict[str, set[str]] = {}
     for name, module in model.named_modules():
         entries = {f"{name}.{key}" if key else name: value
-                   for key, value in transformers_names(_style_for(name, plan), module).items()}
+                   for key, value in transformers_names(style_for(name, plan), module).items()}
         for key, value in entries.items():
             found.setdefault(re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), key), set()).add(value)
     return {key: values.pop() for key, values in found.items() if len(values) == 1}
@@ -357,16 +309,7 @@ def described(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, str
 
 def resolve_plan(plan: dict[str, ParallelStyle | str]) -> dict[str, ParallelStyle]:
     """Plan values given as names (ours or transformers') turned into styles."""
-    out = {}
-    for name, style in plan.items():
-        if isinstance(style, str):
-            factory = STYLE_NAMES.get(style) or HF_STYLES.get(style)
-            if factory is None:
-                raise ValueError(f"unknown parallel style {style!r} for {name!r}; known: "
-                                 f"{sorted(STYLE_NAMES) + sorted(HF_STYLES)}")
-            style = factory()
-        out[name] = style
-    return out
+    return {name: style_names.style(style, name) if isinstance(style, str) else style for name, style in plan.items()}
 
 
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)  # modules whose parent may call them functionally
@@ -412,7 +355,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyl
         parallelize_module(model, mesh, sequence)
     keep_training_fresh(model)
     local = [(module, n) for name, module in model.named_modules()
-             if isinstance(style := _style_for(name, resolved), LocalParams) and not style.sum_grads
+             if isinstance(style := style_for(name, resolved), LocalParams) and not style.sum_grads
              for n, p in module.named_parameters(recurse=False) if p is not None]
     if local:
         swap_to_local(model, local)
@@ -439,7 +382,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyl
     return model
 
 
-def _style_for(name: str, plan: dict[str, ParallelStyle]) -> ParallelStyle | None:
+def style_for(name: str, plan: dict[str, ParallelStyle]) -> ParallelStyle | None:
+    """The style ``plan`` gives module ``name``: its own entry, else the first ``*`` pattern matching it."""
     if name in plan:
         return plan[name]
     for pattern, style in plan.items():
