@@ -1,7 +1,7 @@
 """Model families: each family's experts, plan entries and checkpoint sources (:class:`Family`, ``base.py``).
 
 ``family_for(config)`` returns the family registered for ``config.model_type`` in ``FAMILIES``, or the generic one,
-driven by transformers' expert-layout flags; ``meta_model(config)`` builds the model a config describes with its
+driven by transformers' expert-format flags; ``meta_model(config)`` builds the model a config describes with its
 family's experts swapped in, and records the family on it (``model.hf_moe_tp.family``), where the plan and the
 loader find it.
 

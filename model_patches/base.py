@@ -29,7 +29,7 @@ from transformers.activations import ACT2CLS
 
 from hf_moe_tp._compat import EXPERTS_APPLY_GATE, MODULE_NON_PERSISTENT_BUFFERS, default_apply_gate, from_config
 from hf_moe_tp.checkpoint.expert_sources import SourceRules
-from hf_moe_tp.parallel.experts import ExpertActivation, ExpertLayout, GroupedExperts
+from hf_moe_tp.parallel.experts import ExpertActivation, ExpertFormat, GroupedExperts
 from hf_moe_tp.parallel.model_state import state_of
 from hf_moe_tp.parallel.plans import FamilyPlan
 
@@ -41,26 +41,26 @@ class ExpertSwap:
         """transformers' decorated expert modules carry ``has_gate``; their weights are ``down_proj`` + (gate_)up."""
         return hasattr(module, "has_gate") and hasattr(module, "down_proj") and not isinstance(module, GroupedExperts)
 
-    def layout(self, module: nn.Module) -> ExpertLayout:
-        """The layout transformers' ``@use_experts_implementation`` flags describe. A class that overrides the
+    def weight_format(self, module: nn.Module) -> ExpertFormat:
+        """The weight format transformers' ``@use_experts_implementation`` flags describe. A class that overrides the
         decorated forward computes something the flags do not say: it is refused by name, since GroupedExperts
         would silently compute the decorated forward alone (a family swap that understands the override reads
-        :meth:`flags_layout` instead: Ergo)."""
+        :meth:`flags_format` instead: Ergo)."""
         own = _own_forward(type(module))
         if own is not None:
             raise NotImplementedError(f"{type(module).__name__} overrides the forward of transformers' decorated "
                                       f"experts ({own.__qualname__}): the generic swap maps only the decorated "
-                                      f"layout; this family needs its own ExpertSwap in model_patches/")
-        return self.flags_layout(module)
+                                      f"format; this family needs its own ExpertSwap in model_patches/")
+        return self.flags_format(module)
 
-    def flags_layout(self, module: nn.Module) -> ExpertLayout:
-        """The layout the decorator's flags and the weights' shapes give."""
+    def flags_format(self, module: nn.Module) -> ExpertFormat:
+        """The weight format the decorator's flags and the weights' shapes give."""
         gated = module.has_gate
         up = module.gate_up_proj if gated else module.up_proj
         num_experts, *rest = up.shape
         transposed = module.is_transposed
         dim, width = (rest[0], rest[1]) if transposed else (rest[1], rest[0])
-        return ExpertLayout(
+        return ExpertFormat(
             num_experts=num_experts,
             dim=dim,
             hidden=width // 2 if gated else width,
@@ -79,26 +79,26 @@ class ExpertSwap:
             return FamilyGate.of(module)
         return ExpertActivation(activation_name(module.act_fn), gated=module.has_gate)
 
-    def swap_experts(self, model: nn.Module) -> dict[str, ExpertLayout]:
+    def swap_experts(self, model: nn.Module) -> dict[str, ExpertFormat]:
         """Replace every expert module by a GroupedExperts on the same device (meta stays meta), its parameters
         named, shaped and ordered as the module's."""
-        layouts = {}
+        formats = {}
         for name, module in list(model.named_modules()):
             if not self.is_experts(module):
                 continue
-            layout = self.layout(module)
-            new = self.new_experts(module, layout)
+            fmt = self.weight_format(module)
+            new = self.new_experts(module, fmt)
             _same_parameters(new, module, name)
             model.set_submodule(name, new)
-            layouts[name] = layout
-        return layouts
+            formats[name] = fmt
+        return formats
 
-    def new_experts(self, module: nn.Module, layout: ExpertLayout) -> GroupedExperts:
+    def new_experts(self, module: nn.Module, fmt: ExpertFormat) -> GroupedExperts:
         """The GroupedExperts standing in for ``module`` (same device and dtype; meta stays meta)."""
         p = next(module.parameters())
         norm = module.post_expert_norm if getattr(module, "has_post_expert_norm", False) else None
-        return GroupedExperts(layout.num_experts, layout.dim, layout.hidden, activation=self.activation(module),
-                              **experts_layout(layout), post_expert_norm=norm, config=getattr(module, "config", None),
+        return GroupedExperts(fmt.num_experts, fmt.dim, fmt.hidden, activation=self.activation(module),
+                              **format_arguments(fmt), post_expert_norm=norm, config=getattr(module, "config", None),
                               device=p.device, dtype=p.dtype)
 
 
@@ -199,19 +199,19 @@ def _own_forward(cls: type) -> Callable | None:
     return None if code is None or code.co_filename == moe.__file__ else forward
 
 
-def experts_layout(layout: ExpertLayout) -> dict[str, Any]:
-    """GroupedExperts' keyword arguments for ``layout``."""
-    return dict(bias=layout.bias, transposed=layout.transposed, concatenated=layout.concatenated)
+def format_arguments(fmt: ExpertFormat) -> dict[str, Any]:
+    """GroupedExperts' keyword arguments for weight format ``fmt``."""
+    return dict(bias=fmt.bias, transposed=fmt.transposed, concatenated=fmt.concatenated)
 
 
 def _same_parameters(new: GroupedExperts, module: nn.Module, name: str) -> None:
     """Register ``new``'s parameters in ``module``'s order (transformers' named_parameters order); any difference of
-    names or shapes is a layout this swap misread, refused by name."""
+    names or shapes is a weight format this swap misread, refused by name."""
     theirs = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False)}
     ours = {n: tuple(p.shape) for n, p in new.named_parameters(recurse=False)}
     if theirs != ours:
         raise NotImplementedError(f"{name} ({type(module).__name__}): its parameters {theirs} are not the ones "
-                                  f"GroupedExperts holds for its layout {ours}; this family needs its own "
+                                  f"GroupedExperts holds for its format {ours}; this family needs its own "
                                   "ExpertSwap in model_patches/")
     new._parameters = {n: new._parameters[n] for n in theirs}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from hf_moe_tp.checkpoint.expert_sources import SourceRules, per_expert_sources
 from hf_moe_tp.checkpoint.sources import Axis, Source
-from hf_moe_tp.parallel.experts import ExpertLayout
+from hf_moe_tp.parallel.experts import ExpertFormat
 
 from .base import Family
 
@@ -16,17 +16,17 @@ GROUPS = ("text_moe", "vision_moe")  # in checkpoint order
 
 
 class Ernie45VLMoeSources(SourceRules):
-    def expert_sources(self, prefix: str, layout: ExpertLayout, shapes: dict[str, tuple[int, ...]],
+    def expert_sources(self, prefix: str, fmt: ExpertFormat, shapes: dict[str, tuple[int, ...]],
                        per_expert: list[tuple[str, ...]], interleaved: bool = False) -> dict[str, list[Source]]:
         mlp, _, group = prefix.removesuffix(".experts").rpartition(".")
         if group not in GROUPS or f"{mlp}.experts.0.down_proj.weight" not in shapes:
-            return super().expert_sources(prefix, layout, shapes, per_expert, interleaved)
-        offset = GROUPS.index(group) * layout.num_experts
+            return super().expert_sources(prefix, fmt, shapes, per_expert, interleaved)
+        offset = GROUPS.index(group) * fmt.num_experts
         names = ("gate_proj", "up_proj", "down_proj")
         real = {f"{prefix}.{e}.{n}.weight": f"{mlp}.experts.{offset + e}.{n}.weight"
-                for e in range(layout.num_experts) for n in names}
+                for e in range(fmt.num_experts) for n in names}
         view = {name: shapes[key] for name, key in real.items() if key in shapes}
-        found = per_expert_sources(prefix, layout, names, view)
+        found = per_expert_sources(prefix, fmt, names, view)
         return {name: [Source(real[s.key], s.dims, s.shape) for s in srcs] for name, srcs in found.items()}
 
     def extra_sources(self, model, targets: dict, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[Source]]:

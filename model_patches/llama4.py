@@ -1,4 +1,4 @@
-"""Llama 4 (text): experts without transformers' layout decorator, and a block that scores tokens *before* the
+"""Llama 4 (text): experts without transformers' weight-format decorator, and a block that scores tokens *before* the
 experts and runs every expert densely; here the block routes the top-k tokens through GroupedExperts
 (``score_before_experts``), with the shared expert added out of place (transformers' in-place add fails on
 the view a row-wise layer returns under TP)."""
@@ -11,7 +11,7 @@ from transformers.models.llama4.modeling_llama4 import Llama4TextExperts, Llama4
 
 from hf_moe_tp.parallel.experts import ExpertActivation, GroupedExperts
 
-from .base import ExpertLayout, ExpertSwap, Family, activation_name
+from .base import ExpertFormat, ExpertSwap, Family, activation_name
 
 
 class Llama4GroupedMoe(Llama4TextMoe):
@@ -30,17 +30,17 @@ class Llama4Experts(ExpertSwap):
     def is_experts(self, module: nn.Module) -> bool:
         return isinstance(module, Llama4TextExperts)
 
-    def layout(self, module: nn.Module) -> ExpertLayout:
+    def weight_format(self, module: nn.Module) -> ExpertFormat:
         num_experts, dim, width = module.gate_up_proj.shape  # (E, H, 2I): transposed, gate then up
-        return ExpertLayout(num_experts, dim, width // 2, transposed=True, concatenated=True)
+        return ExpertFormat(num_experts, dim, width // 2, transposed=True, concatenated=True)
 
-    def new_experts(self, module: nn.Module, layout: ExpertLayout) -> GroupedExperts:
+    def new_experts(self, module: nn.Module, fmt: ExpertFormat) -> GroupedExperts:
         p = module.gate_up_proj
-        return GroupedExperts(layout.num_experts, layout.dim, layout.hidden,
+        return GroupedExperts(fmt.num_experts, fmt.dim, fmt.hidden,
                               activation=ExpertActivation(activation_name(module.act_fn)), transposed=True,
                               score_before_experts=True, device=p.device, dtype=p.dtype)
 
-    def swap_experts(self, model: nn.Module) -> dict[str, ExpertLayout]:
+    def swap_experts(self, model: nn.Module) -> dict[str, ExpertFormat]:
         for module in model.modules():
             if type(module) is Llama4TextMoe:
                 module.__class__ = Llama4GroupedMoe

@@ -118,7 +118,7 @@ def parameter_sources(model: nn.Module, targets: dict[str, torch.Tensor], shapes
                     name, interleave = aliases[packed]
                     view[packed], renamed[packed] = shapes[name], name
                     interleaved = interleaved or interleave  # the checkpoint's gate/up rows interleave
-            found = rules.expert_sources(prefix, module.layout, view, per_expert, interleaved)
+            found = rules.expert_sources(prefix, module.weight_format, view, per_expert, interleaved)
             sources.update({name: [dataclasses.replace(s, key=renamed.get(s.key, s.key)) for s in srcs]
                             for name, srcs in found.items()})
     for name, srcs in {**_converted_sources(model, converters, targets, shapes),

@@ -11,7 +11,7 @@ import re
 
 from torch import nn
 
-from ..parallel.experts import ExpertLayout
+from ..parallel.experts import ExpertFormat
 from .sources import Axis, Source, identity
 
 
@@ -28,65 +28,65 @@ class SourceRules:
         return {}
 
     def expert_sources(
-        self, prefix: str, layout: ExpertLayout, shapes: dict[str, tuple[int, ...]], per_expert: list[tuple[str, ...]],
+        self, prefix: str, fmt: ExpertFormat, shapes: dict[str, tuple[int, ...]], per_expert: list[tuple[str, ...]],
         interleaved: bool = False,
     ) -> dict[str, list[Source]]:
-        """Sources of ``{prefix}.gate_up_proj`` etc. (the GroupedExperts of ``layout``) from whichever format
+        """Sources of ``{prefix}.gate_up_proj`` etc. (the GroupedExperts of format ``fmt``) from whichever format
         ``shapes`` (model-named keys) holds: transformers' packed tensors, or one tensor per expert and projection.
         ``interleaved``: the checkpoint's packed gate/up rows interleave where the model's concatenate (Inkling2's
         ``w13``)."""
-        if f"{prefix}.{layout.up_name}" in shapes:
-            return packed_sources(prefix, layout, shapes, interleaved)
+        if f"{prefix}.{fmt.up_name}" in shapes:
+            return packed_sources(prefix, fmt, shapes, interleaved)
         for names in per_expert + list(self.per_expert_names):
             if f"{prefix}.0.{names[-1]}.weight" in shapes:
-                return per_expert_sources(prefix, layout, names, shapes)
+                return per_expert_sources(prefix, fmt, names, shapes)
         return {}
 
 
-def packed_sources(prefix: str, layout: ExpertLayout, shapes: dict[str, tuple[int, ...]], interleaved: bool = False
+def packed_sources(prefix: str, fmt: ExpertFormat, shapes: dict[str, tuple[int, ...]], interleaved: bool = False
                    ) -> dict[str, list[Source]]:
-    """transformers' own 3-D layout: the checkpoint's ``gate_up_proj``/``up_proj`` and ``down_proj`` (+ ``_bias``) are
+    """transformers' own 3-D format: the checkpoint's ``gate_up_proj``/``up_proj`` and ``down_proj`` (+ ``_bias``) are
     the parameters themselves; a checkpoint whose gate/up rows interleave (``interleaved``) where the model's
     concatenate fills each half with one strided read."""
-    out = {name: [identity(name, shapes[name])] for name in [f"{prefix}.{n}" for n in layout.shapes()]
+    out = {name: [identity(name, shapes[name])] for name in [f"{prefix}.{n}" for n in fmt.shapes()]
            if name in shapes}
     if not interleaved:
         return out
-    if not (layout.concatenated and layout.gated):
+    if not (fmt.concatenated and fmt.gated):
         raise NotImplementedError(f"{prefix}: a checkpoint interleaving gate/up rows into experts that do not "
                                   "concatenate them")
-    i = layout.hidden
-    for name in [f"{prefix}.{n}" for n in (layout.up_name, f"{layout.up_name}_bias") if f"{prefix}.{n}" in shapes]:
+    i = fmt.hidden
+    for name in [f"{prefix}.{n}" for n in (fmt.up_name, f"{fmt.up_name}_bias") if f"{prefix}.{n}" in shapes]:
         # interleaved in the checkpoint, concatenated in the model
         shape = tuple(shapes[name])
-        dim = 1 if name.endswith("_bias") or not layout.transposed else 2
+        dim = 1 if name.endswith("_bias") or not fmt.transposed else 2
         out[name] = [Source(name, tuple(Axis(d, start=which, step=2, at=which * i, size=i) if d == dim else Axis(d)
                                         for d in range(len(shape))), shape) for which in (0, 1)]
     return out
 
 
 def per_expert_sources(
-    prefix: str, layout: ExpertLayout, names: tuple[str, ...], shapes: dict[str, tuple[int, ...]]
+    prefix: str, fmt: ExpertFormat, names: tuple[str, ...], shapes: dict[str, tuple[int, ...]]
 ) -> dict[str, list[Source]]:
-    """Hub layout: one ``nn.Linear`` per expert and projection, ``{prefix}.{e}.{name}.weight`` of (out, in), each
+    """Hub format: one ``nn.Linear`` per expert and projection, ``{prefix}.{e}.{name}.weight`` of (out, in), each
     filling its expert's rows (gate, then up) of the packed parameters."""
-    h, i = layout.dim, layout.hidden
-    if layout.gated and not layout.concatenated:
+    h, i = fmt.dim, fmt.hidden
+    if fmt.gated and not fmt.concatenated:
         raise NotImplementedError(f"{prefix}: per-expert checkpoint keys into interleaved gate/up experts")
-    up = layout.up_name
+    up = fmt.up_name
     # (model parameter, rows it fills from, checkpoint name, (out, in) of the checkpoint tensor)
     parts = [(up, 0, names[0], (i, h))]
-    if layout.gated:
+    if fmt.gated:
         parts.append((up, i, names[1], (i, h)))
     parts.append(("down_proj", 0, names[-1], (h, i)))
     out: dict[str, list[Source]] = {}
     for param, at, name, (rows, cols) in parts:
-        packed = param == up and layout.gated  # gate and up each fill half the rows
-        for e in range(layout.num_experts):
+        packed = param == up and fmt.gated  # gate and up each fill half the rows
+        for e in range(fmt.num_experts):
             out_axis = Axis(0, at=at, size=rows) if packed else Axis(0)
-            dims = (e, Axis(1), out_axis) if layout.transposed else (e, out_axis, Axis(1))
+            dims = (e, Axis(1), out_axis) if fmt.transposed else (e, out_axis, Axis(1))
             out.setdefault(f"{prefix}.{param}", []).append(Source(f"{prefix}.{e}.{name}.weight", dims, (rows, cols)))
-            if layout.bias:
+            if fmt.bias:
                 out.setdefault(f"{prefix}.{param}_bias", []).append(
                     Source(f"{prefix}.{e}.{name}.bias", (e, out_axis), (rows,)))
     return out

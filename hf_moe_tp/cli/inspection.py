@@ -55,7 +55,7 @@ class Inspection:
     checkpoint_bytes: int
     quantization: str | None = None
     rank_disk_bytes: list[int] | None = None
-    towers: dict[str, TowerLayout] = field(default_factory=dict)
+    towers: dict[str, TowerPlan] = field(default_factory=dict)
     layout: dict[str, int] = field(default_factory=dict)  # mesh dimension name -> size
     rank_buffer_bytes: list[int] = field(default_factory=list)  # the loader's read buffers at most (all threads)
     weights: bool = True  # False: a config alone; the disk figures assume an unquantized checkpoint
@@ -77,7 +77,7 @@ class Inspection:
 
 
 @dataclass
-class TowerLayout:
+class TowerPlan:
     """A vision or audio tower at this TP size: its class, the modules the plan splits (pattern -> style) and
     the modules whose parameters stay whole (replicated DTensors), patterns with layer numbers as ``*``."""
 
@@ -122,7 +122,7 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
         apply_plan(model, layout.tp, plan, ep_mesh=layout.ep)  # the public one: integrations on, as before
         if keep_quantized:
             place_scales(model)
-        tower_layouts = {name: tower_layout(model, name, plan) for name in towers(model)}  # TP's splits, not FSDP's
+        tower_plans = {name: tower_plan(model, name, plan) for name in towers(model)}  # TP's splits, not FSDP's
         if layout.dp is not None:
             shard_data_parallel(model, layout.dp)
         targets = load_targets(model)
@@ -163,7 +163,7 @@ def inspect_checkpoint(path: str | Path, tp: int, *, fsdp: int = 1, ep: int | No
         checkpoint_bytes=sum(f.stat().st_size for f in {i.file for i in ckpt.tensors.values()}) if weights else total,
         quantization=quantization.describe() if quantization else None,
         rank_disk_bytes=disk_bytes,
-        towers=tower_layouts,
+        towers=tower_plans,
         layout=dims,
         fsdp=layout.dp is not None,
         rank_buffer_bytes=[default_threads() * b for b in largest],
@@ -263,7 +263,7 @@ def _disk_bytes(found: ReadMap, ckpt: Checkpoint, targets: dict, boxes: _Boxes, 
     return out, largest
 
 
-def tower_layout(model, name: str, plan: dict) -> TowerLayout:
+def tower_plan(model, name: str, plan: dict) -> TowerPlan:
     """Which modules of tower ``name`` the (applied) ``plan`` splits and which keep whole parameters."""
     tower = model.get_submodule(name)
     split = {k[len(name) + 1:]: v for k, v in plan.items() if k.startswith(f"{name}.")}
@@ -272,7 +272,7 @@ def tower_layout(model, name: str, plan: dict) -> TowerLayout:
     replicated = [sub or f"(its own {', '.join(n for n, _ in m.named_parameters(recurse=False))})"
                   for sub, m in tower.named_modules() if sub not in split
                   and any(True for _ in m.parameters(recurse=False))]
-    return TowerLayout(type(tower).__name__, _summarise(split),
+    return TowerPlan(type(tower).__name__, _summarise(split),
                        list(dict.fromkeys(re.sub(r"\.\d+(\.|$)", r".*\1", n) for n in replicated)))
 
 

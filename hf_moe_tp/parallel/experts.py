@@ -16,13 +16,13 @@ from .boxes import shard_dim
 from .grouped_matmul import batched_mm, gathered_grouped_mm, grouped_mm_backward, multiply
 
 # transformers' experts implementations (``set_experts_implementation``) GroupedExperts runs, each computing what
-# transformers' does: one grouped matmul (torch's kernel where it takes the layout, else a loop), a loop over the
+# transformers' does: one grouped matmul (torch's kernel where it takes the format, else a loop), a loop over the
 # experts, or one batched matmul over each row's expert weights
 IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
 
 
 @dataclass(frozen=True)
-class ExpertLayout:
+class ExpertFormat:
     """How a family lays out its experts, as transformers' ``@use_experts_implementation`` flags say: ``gate_up_proj``
     (E, 2*hidden, dim) and ``down_proj`` (E, dim, hidden), or transposed (E, dim, 2*hidden) / (E, hidden, dim); gate
     and up halves concatenated or interleaved; ``*_bias`` parameters; ungated experts hold ``up_proj`` instead."""
@@ -123,7 +123,7 @@ class GroupedExperts(nn.Module):
     ``top_k_weights`` (T, k) routing weights; returns (T, dim) in ``hidden_states``' dtype.
 
     Parameters: transformers' own, named, shaped and ordered as the family's expert module holds them
-    (:class:`ExpertLayout`): ``gate_up_proj`` (E, 2*hidden, dim) with gate then up rows, and ``down_proj`` (E, dim,
+    (:class:`ExpertFormat`): ``gate_up_proj`` (E, 2*hidden, dim) with gate then up rows, and ``down_proj`` (E, dim,
     hidden), each expert's matrix (out, in) as ``nn.Linear`` stores it; transposed families (GPT-OSS, Llama 4)
     hold (E, dim, 2*hidden) and (E, hidden, dim); GPT-OSS interleaves gate and up and has ``*_bias``; ungated
     experts hold ``up_proj``. So ``named_parameters()``, ``state_dict()``, PEFT's ``target_parameters`` and DCP
@@ -132,7 +132,7 @@ class GroupedExperts(nn.Module):
     :class:`hf_moe_tp.TensorParallel`).
 
     When the weights are DTensors it computes on the local shards and returns this rank's plain local tensor: a
-    partial sum when ``down_proj`` is split along ``hidden``. The parallel style decides the layouts around it.
+    partial sum when ``down_proj`` is split along ``hidden``. The parallel style decides the formats around it.
     ``down_proj_bias`` is added by the first rank of each mesh dimension that splits ``down_proj``'s input, so it
     counts once in the reduced sum.
 
@@ -174,7 +174,7 @@ class GroupedExperts(nn.Module):
         self.has_gate, self.has_bias = self.activation.gated, bias
         self.is_transposed, self.is_concatenated = transposed, concatenated
         self.has_post_expert_norm = post_expert_norm is not None
-        for name, shape in self.layout.shapes().items():
+        for name, shape in self.weight_format.shapes().items():
             self.register_parameter(name, nn.Parameter(torch.empty(*shape, device=device, dtype=dtype)))
         self.post_expert_norm = post_expert_norm
         self.norm_per_expert = norm_per_expert
@@ -188,8 +188,8 @@ class GroupedExperts(nn.Module):
             self.reset_parameters()
 
     @property
-    def layout(self) -> ExpertLayout:
-        return ExpertLayout(self.num_experts, self.dim, self.hidden, transposed=self.is_transposed,
+    def weight_format(self) -> ExpertFormat:
+        return ExpertFormat(self.num_experts, self.dim, self.hidden, transposed=self.is_transposed,
                             concatenated=self.is_concatenated, bias=self.has_bias, gated=self.has_gate)
 
     @property

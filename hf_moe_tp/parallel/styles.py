@@ -367,11 +367,12 @@ def _replicated_local(arg: Any, layout: Placement, mesh: DeviceMesh, sizes: dict
     return arg.to_local(grad_placements=grad_placements)
 
 
-def _from_local(local: torch.Tensor, layout: Placement, mesh: DeviceMesh, sizes: dict[tuple[int, int], int]) -> DTensor:
+def _from_local(local: torch.Tensor, placement: Placement, mesh: DeviceMesh,
+                sizes: dict[tuple[int, int], int]) -> DTensor:
     """``DTensor.from_local`` that also takes uneven shards (it assumes even ones unless told the shape)."""
-    if not isinstance(layout, Shard):
-        return DTensor.from_local(local, mesh, (layout,), run_check=False)
-    dim = layout.dim % local.dim()
+    if not isinstance(placement, Shard):
+        return DTensor.from_local(local, mesh, (placement,), run_check=False)
+    dim = placement.dim % local.dim()
     key = (dim, local.size(dim))
     if key not in sizes:
         size = torch.tensor([local.size(dim)], dtype=torch.int64)
@@ -379,7 +380,7 @@ def _from_local(local: torch.Tensor, layout: Placement, mesh: DeviceMesh, sizes:
         sizes[key] = int(size)
     shape = list(local.shape)
     shape[dim] = sizes[key]
-    return DTensor.from_local(local, mesh, (layout,), run_check=False, shape=torch.Size(shape),
+    return DTensor.from_local(local, mesh, (placement,), run_check=False, shape=torch.Size(shape),
                               stride=torch.empty(shape, device="meta").stride())
 
 

@@ -102,15 +102,15 @@ class _Placement:
             # each rank's lora_B rows pass back only their part of A's output gradient: summed once, T x r
             a.register_forward_hook(lambda m, args, out: _SumGradOverMesh.apply(out, group))
             _compute_locally(b, self.to_local(sum_tp=False))
-            layout, local = style.output_layouts[0], style.use_local_output
-            if layout != Shard(-1) or not local:  # the base layer's output form: gathered, or a DTensor
+            placement, local = style.output_layouts[0], style.use_local_output
+            if placement != Shard(-1) or not local:  # the base layer's output form: gathered, or a DTensor
                 mesh, base = self.tp_mesh, layer.get_base_layer()
 
                 def as_base_output(m: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
                     # a gathering lm_head keeps its logits split for the loss (hf_moe_tp.parallel.loss): so does the
                     # adapter
                     split = getattr(base, KEEP_SPLIT, False)
-                    return _as_output(out, mesh, Shard(-1) if split else layout, local and not split)
+                    return _as_output(out, mesh, Shard(-1) if split else placement, local and not split)
 
                 b.register_forward_hook(as_base_output)
         elif self.kind == "rowwise":
@@ -163,11 +163,11 @@ def _compute_locally(module: nn.Linear, to_local: Callable[[DTensor], torch.Tens
                          to_local)
 
 
-def _as_output(out: torch.Tensor, mesh: DeviceMesh, layout: Placement, local: bool) -> torch.Tensor:
-    """This rank's output columns in the layout the base layer returns (gathered, or as a DTensor)."""
+def _as_output(out: torch.Tensor, mesh: DeviceMesh, placement: Placement, local: bool) -> torch.Tensor:
+    """This rank's output columns in the placement the base layer returns (gathered, or as a DTensor)."""
     dt = DTensor.from_local(out, mesh, (Shard(-1),), run_check=False)
-    if layout != Shard(-1):
-        dt = dt.redistribute(mesh, (layout,))
+    if placement != Shard(-1):
+        dt = dt.redistribute(mesh, (placement,))
     return dt.to_local() if local else dt
 
 
