@@ -104,16 +104,18 @@ def test_saved_activations_are_what_the_model_says(ranks, checkpoints, world):
     assert off == {}, off
 
 
-def _second_step(paths: dict[str, str], layouts: dict[str, dict], seq: int, measure: str) -> dict:
+def _second_step(paths: dict[str, str], layouts: dict[str, dict], seq: int, measure: str,
+                 foreach: bool | None = None) -> dict:
     """Per (family, layout, dtype): ``measure`` (``"peak"``: the highest rise of live tensor bytes, what a step adds
     to the weights and the optimizer state; ``"sent"``: the bytes this rank sends by group) over a training step
-    (forward, backward, AdamW), its optimizer state already made by a first step."""
+    (forward, backward, AdamW: ``foreach`` as torch's AdamW takes it, by default its choice for the device), its
+    optimizer state already made by a first step."""
     from bench.communication import sent_bytes
     from bench.train import peak_rise_bytes
 
     out = {}
     for key, model, ids in _each_load(paths, layouts, seq):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=foreach)
 
         def step(m=model, x=ids, o=optimizer):
             m(x, labels=x).loss.backward()
@@ -150,6 +152,32 @@ def test_a_training_step_peaks_below_the_plan(ranks, checkpoints, world):
                   eager_attention=ATTENTION[family] == "eager")
         memory = models[family].estimate(chosen[name][0], Cluster(world, world), job).memory
         want = sum(v for term, v in memory.items() if term not in ("weights", "optimizer"))
+        print(key, round(want / got, 3))  # the ratios, with pytest -s
+        if not 0.95 * got <= want <= 1.5 * got:
+            off[key] = round(want / got, 3)
+    assert off == {}, off
+
+
+def test_the_optimizer_step_peaks_below_the_plan(ranks, checkpoints):
+    """With short sequences the step's peak is AdamW's, not backward's: the gradients and, in torch's foreach AdamW
+    (its default on GPUs: here asked for), a temporary of every parameter's size. At TP 2, Mixtral and DeepSeek-V3,
+    fp32 and bf16, 16 tokens: the plan gives what the step adds within [0.95x, 1.5x] (0.99-1.0x here, a few bytes
+    per parameter under; without its optimizer step term it said 0.55-0.62x). FSDP2's step is not checked here: on
+    gloo its reduce-scatter is an all-reduce with copies, bigger than NCCL's (the step peak test covers FSDP2)."""
+    lays = {"tp2": (dict(tp=2, ep=1, cp=1, fsdp=1, dp_replicate=1), dict(sequence_parallel=False))}
+    paths = {f: checkpoints[f] for f in ("mixtral", "deepseek_v3")}
+    seq = 16
+    per_rank = ranks(2).run(_second_step, paths, {n: kw for n, (_, kw) in lays.items()}, seq, "peak", True)
+    models = {f: Model(path) for f, path in paths.items()}
+    off = {}
+    for key in per_rank[0]:
+        family, name, dtype = key
+        got = max(r[key] for r in per_rank)
+        job = Job(seq_len=seq, dtype=getattr(torch, dtype.removeprefix("torch.")),
+                  eager_attention=ATTENTION[family] == "eager")
+        memory = models[family].estimate(lays[name][0], Cluster(2, 2), job).memory
+        want = sum(v for term, v in memory.items() if term not in ("weights", "optimizer"))
+        print(key, round(want / got, 3))  # the ratios, with pytest -s  # the ratios, with pytest -s
         if not 0.95 * got <= want <= 1.5 * got:
             off[key] = round(want / got, 3)
     assert off == {}, off

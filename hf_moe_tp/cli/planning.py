@@ -5,11 +5,12 @@ Each candidate layout is placed for real, as ``hf-moe-tp inspect`` places it (th
 a fake process group: the parameter bytes per rank and the bytes each rank's load reads come from the styles'
 placements and the loader's own read map, not from a formula). The rest is a model: gradients and optimizer state
 follow the parameters' shards; activations follow :mod:`hf_moe_tp.parallel.activations` (checked against what
-autograd saves on real ranks); FSDP2 holds two layers gathered (the one computing and the one prefetched); the
-KV cache follows the config; the bytes sent per training step follow :mod:`hf_moe_tp.parallel.communication`
-(checked against a count of the collectives on real ranks); the CUDA context and the allocator's slack take a
-fixed share off each device. Where
-a term is uncertain it errs high: a plan must not say a layout fits when it does not.
+autograd saves on real ranks); FSDP2 holds two layers gathered (the one computing and the one prefetched) and, in
+backward, one layer's unsharded gradients before their reduce-scatter; the optimizer's step holds the gradients and
+its temporaries after backward has let go of the rest; the KV cache follows the config; the bytes sent per training
+step follow :mod:`hf_moe_tp.parallel.communication` (checked against a count of the collectives on real ranks); the
+CUDA context and the allocator's slack take a fixed share off each device. Where a term is uncertain it errs high: a
+plan must not say a layout fits when it does not.
 """
 
 from __future__ import annotations
@@ -236,6 +237,9 @@ class Model:
 
 
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # tensors of a parameter's size each optimizer keeps
+# ... and makes for a moment in its step: torch's foreach AdamW (its default for CUDA tensors and DTensors) takes the
+# square root of every second moment at once; foreach SGD adds weight decay or Nesterov's momentum into a new list
+STEP_TEMPORARIES = {"adamw": 1, "sgd": 1, "none": 0}
 
 
 def _estimate(lay: dict, split: Split, found, shape: Shape, job: Job, largest_unit: float, eager: bool,
@@ -253,11 +257,18 @@ def _estimate(lay: dict, split: Split, found, shape: Shape, job: Job, largest_un
         trained = adapters or weights  # every adapter counted whole on every rank: errs high where TP splits them
         c.memory["gradients"] = trained
         c.memory["optimizer"] = OPTIMIZER_STATES[job.optimizer] * trained
-        if lay["fsdp"] * lay["cp"] > 1:  # two layers gathered in compute dtype
-            c.memory["fsdp buffers"] = int(2 * largest_unit * weights * lay["fsdp"] * lay["cp"] * compute
+        if lay["fsdp"] * lay["cp"] > 1:  # two layers gathered, and in backward one's gradients, in compute dtype
+            c.memory["fsdp buffers"] = int(3 * largest_unit * weights * lay["fsdp"] * lay["cp"] * compute
                                            / found.dtype_bytes)
         c.memory["activations"] = saved_bytes(shape, split, job.seq_len, compute, job.micro_batch, scores=eager)
         c.memory["backward peak"] = backward_peak_bytes(shape, split, job.seq_len, job.micro_batch, scores=eager)
+        # the step runs after backward has let go of the activations and FSDP2's buffers; where its gradients and
+        # temporaries outgrow them (short sequences, checkpointing), the difference is a term of its own
+        backward = sum(c.memory[t] for t in ("gradients", "fsdp buffers", "activations", "backward peak")
+                       if t in c.memory)
+        step = c.memory["gradients"] + STEP_TEMPORARIES[job.optimizer] * trained
+        if step > backward:
+            c.memory["optimizer step"] = step - backward
     else:
         c.memory["kv cache"] = _kv_bytes(shape, job, lay["tp"] if split.attention_tp else 1)
         c.memory["activations"] = forward_peak_bytes(shape, split, job.seq_len, compute, scores=eager)
