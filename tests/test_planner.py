@@ -136,9 +136,9 @@ PEAK_LAYOUTS = {"tp2+sp": (dict(tp=2, ep=1, cp=1, fsdp=1, dp_replicate=1), dict(
 def test_a_training_step_peaks_below_the_plan(ranks, checkpoints, world):
     """The plan's gradients, activations, FSDP2 buffers and backward peak bound what a training step adds on the
     busiest rank (torch's allocator events), fp32 and bf16, Mixtral and DeepSeek-V3 (eager: its scores and their
-    gradients), within [0.95x, 1.5x] (0.998-1.365x over runs here, 2026-12-06: the measured peak moves by a few
-    percent from run to run, as FSDP2's prefetch and gloo's buffers are freed on other threads; the planner's
-    device margin, 8% of the memory, covers the low side)."""
+    gradients), within [0.95x, 1.5x] (1.11-1.37x here, 2026-12-06, FSDP2's buffers counted as three layers: the
+    measured peak moves by up to 7% from run to run, as FSDP2's prefetch and gloo's buffers are freed on other
+    threads; the planner's device margin, 8% of the memory, covers the low side)."""
     chosen = {n: (lay, kw) for n, (lay, kw) in PEAK_LAYOUTS.items() if lay["tp"] * lay["cp"] * lay["fsdp"] == world}
     paths = {f: checkpoints[f] for f in ("mixtral", "deepseek_v3")}
     seq = 1024
