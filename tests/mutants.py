@@ -131,6 +131,13 @@ MUTANTS = (
            (("        reduced += 3 * h  # q, k, v", "        reduced += 1 * h  # q, k, v"),),
            ("tests/test_planner.py::test_bytes_sent_are_what_the_collectives_count[2]",),
            r"\('mixtral', 'tp2', 'torch\.float32'\): \{'tp': 0\.\d+\}"),
+    Mutant("plan-no-step-peak", "the planner leaves out the optimizer step's own peak (the gradients and foreach "
+           "AdamW's temporary of every parameter): with short sequences or checkpointing it says a layout fits "
+           "that runs out of memory in the step",
+           "hf_moe_tp/cli/planning.py",
+           (("        if step > backward:\n", "        if step > backward and False:\n"),),
+           ("tests/test_planner.py::test_the_optimizer_step_peaks_below_the_plan",),
+           r"\('mixtral', 'tp2', 'torch\.float32'\): 0\.[56]\d*"),
 )
 
 

@@ -140,7 +140,8 @@ def test_a_training_step_peaks_below_the_plan(ranks, checkpoints, world):
     measured peak moves by up to 7% from run to run, as FSDP2's prefetch and gloo's buffers are freed on other
     threads; the planner's device margin, 8% of the memory, covers the low side)."""
     chosen = {n: (lay, kw) for n, (lay, kw) in PEAK_LAYOUTS.items() if lay["tp"] * lay["cp"] * lay["fsdp"] == world}
-    assert _step_peak_off(ranks(world), checkpoints, chosen, 1024) == {}
+    off = _step_peak_off(ranks(world), checkpoints, chosen, 1024)
+    assert off == {}, off
 
 
 def _step_peak_off(pool, checkpoints: dict, lays: dict, seq: int, foreach: bool | None = None) -> dict:
@@ -171,7 +172,8 @@ def test_the_optimizer_step_peaks_below_the_plan(ranks, checkpoints):
     per parameter under; without its optimizer step term it said 0.55-0.62x). FSDP2's step is not checked here: on
     gloo its reduce-scatter is an all-reduce with copies, bigger than NCCL's (the step peak test covers FSDP2)."""
     lays = {"tp2": (dict(tp=2, ep=1, cp=1, fsdp=1, dp_replicate=1), dict(sequence_parallel=False))}
-    assert _step_peak_off(ranks(2), checkpoints, lays, 16, foreach=True) == {}
+    off = _step_peak_off(ranks(2), checkpoints, lays, 16, foreach=True)
+    assert off == {}, off
 
 
 def _generate_rise(paths: dict[str, str], seq: int) -> dict:
