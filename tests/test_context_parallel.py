@@ -240,8 +240,8 @@ def test_unchecked_family_and_dropout_refused():
 def test_key_value_heads_repeated_the_fewest_times():
     """Key / value heads repeated so they divide by cp while each query group keeps one of them: not at all where
     they divide, else the fewest times (two for one head per TP rank at cp 2, as at TP 8)."""
-    from hf_moe_tp.parallel.context_parallel import _kv_repeat
+    from hf_moe_tp.parallel.context_parallel import kv_repeat
 
-    assert _kv_repeat(8, 4, 4) == 1 and _kv_repeat(4, 2, 2) == 1
-    assert _kv_repeat(4, 1, 2) == 2 and _kv_repeat(8, 2, 4) == 2 and _kv_repeat(12, 2, 4) == 2
-    assert _kv_repeat(12, 3, 4) == 4 and _kv_repeat(8, 1, 8) == 8
+    assert kv_repeat(8, 4, 4) == 1 and kv_repeat(4, 2, 2) == 1
+    assert kv_repeat(4, 1, 2) == 2 and kv_repeat(8, 2, 4) == 2 and kv_repeat(12, 2, 4) == 2
+    assert kv_repeat(12, 3, 4) == 4 and kv_repeat(8, 1, 8) == 8

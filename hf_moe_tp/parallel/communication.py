@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .activations import Shape, Split
-from .context_parallel import _kv_repeat
+from .context_parallel import kv_repeat
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def sent_bytes(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, weigh
     if cp > 1:
         ta = t if split.attention_tp else 1
         heads, kv = s.heads // ta, s.kv_heads // ta or 1
-        kv *= _kv_repeat(heads, kv, cp)  # as Ulysses attention repeats them to divide by cp
+        kv *= kv_repeat(heads, kv, cp)  # as Ulysses attention repeats them to divide by cp
         per_token = (heads * (s.head_dim + s.value_dim) + kv * (s.head_dim + s.value_dim)) * b
         exchanged = 2 * s.layers * one_way(tokens * per_token, cp)  # each way in forward and in backward
         gathered = one_way(tokens * cp * (s.hidden + s.vocab) * b, cp)  # the hidden states, then the logits

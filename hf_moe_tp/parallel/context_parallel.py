@@ -205,7 +205,7 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if heads % comm.size:
         raise ValueError(f"context parallelism: {type(module).__name__} has {heads} query heads on this rank, which "
                          f"do not divide by cp={comm.size}; use a cp size dividing the heads per TP rank")
-    repeat = _kv_repeat(heads, kv_heads, comm.size)
+    repeat = kv_repeat(heads, kv_heads, comm.size)
     if repeat > 1:
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     # the whole sequence of 1/cp of the heads, without the rows that pad it to cp blocks
@@ -228,7 +228,7 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     return _Exchange.apply(comm.pad(out), comm.group, 1, 2), None
 
 
-def _kv_repeat(heads: int, kv_heads: int, size: int) -> int:
+def kv_repeat(heads: int, kv_heads: int, size: int) -> int:
     """How many times each key / value head is repeated so the heads divide by ``size`` and each query group
     still maps onto one of them: the fewest, else one per query head."""
     repeat = size // math.gcd(kv_heads, size)

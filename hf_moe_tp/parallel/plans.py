@@ -264,8 +264,8 @@ def override(plan: dict[str, ParallelStyle], entries: dict[str, ParallelStyle | 
             if style is None or style == "replicate":
                 out.pop(name, None)
                 continue
-            if isinstance(style, str) and isinstance(module, GroupedExperts) and style_names.for_experts(style):
-                style = style_names.for_experts(style)
+            if isinstance(style, str) and isinstance(module, GroupedExperts):
+                style = style_names.for_experts(style) or style
             if isinstance(style, str) and style_names.splits_module(style):
                 if not _divides(name, module, style, owning_config(model, name), tp_size):
                     out.pop(name, None)  # kept whole, as the model's own plan keeps it

@@ -139,8 +139,8 @@ class TensorParallel(ParallelStyle):
     def _prepare_inputs(self, args: tuple, mesh: DeviceMesh, whole_grads: set[int] = frozenset()) -> tuple:
         layouts = self.input_layouts + (Replicate(),) * (len(args) - len(self.input_layouts))
         sizes: dict[tuple[int, int], int] = {}  # the inputs share their token count: gather it once
-        return tuple(_replicated_local(a, layout, mesh, sizes, partial_grad=i not in whole_grads)
-                     for i, (a, layout) in enumerate(zip(args, layouts, strict=False)))
+        return tuple(_replicated_local(a, placement, mesh, sizes, partial_grad=i not in whole_grads)
+                     for i, (a, placement) in enumerate(zip(args, layouts, strict=False)))
 
     def _prepare_output(self, output: torch.Tensor, mesh: DeviceMesh, partial: bool = True) -> torch.Tensor:
         if isinstance(self.output_layout, Replicate) and self.use_local_output:  # one all-reduce, no DTensor
@@ -345,22 +345,22 @@ def _output_converter(style: NoParallel, mesh: DeviceMesh) -> Callable[[torch.Te
     return convert
 
 
-def _replicated_local(arg: Any, layout: Placement, mesh: DeviceMesh, sizes: dict[tuple[int, int], int],
+def _replicated_local(arg: Any, placement: Placement, mesh: DeviceMesh, sizes: dict[tuple[int, int], int],
                       partial_grad: bool = True) -> Any:
     """A replicated local copy of ``arg`` whose gradient is declared partial (or, ``partial_grad=False``,
     whole and the same on every rank).
 
     The experts use their input on every rank to compute a partial output, so each rank's input gradient is a
-    partial sum; the backward of ``from_local`` reduces it (Partial -> ``layout``).
+    partial sum; the backward of ``from_local`` reduces it (Partial -> ``placement``).
     """
     if not isinstance(arg, torch.Tensor):
         return arg
-    if not isinstance(arg, DTensor) and isinstance(layout, Replicate):  # the common case, without DTensor dispatch
+    if not isinstance(arg, DTensor) and isinstance(placement, Replicate):  # the common case, without DTensor dispatch
         if partial_grad and arg.requires_grad and torch.is_grad_enabled():
             return _SumGradOverMesh.apply(arg, mesh.get_group())
         return arg
     if not isinstance(arg, DTensor):
-        arg = _from_local(arg, layout, mesh, sizes)
+        arg = _from_local(arg, placement, mesh, sizes)
     if arg.placements != (Replicate(),):
         arg = arg.redistribute(mesh, (Replicate(),))
     grad_placements = (Partial(),) if arg.is_floating_point() and partial_grad else None
