@@ -105,62 +105,97 @@ def test_saved_activations_are_what_the_model_says(ranks, checkpoints, world):
 
 
 def _second_step(paths: dict[str, str], layouts: dict[str, dict], seq: int, measure: str,
-                 foreach: bool | None = None) -> dict:
-    """Per (family, layout, dtype): ``measure`` (``"peak"``: the highest rise of live tensor bytes, what a step adds
-    to the weights and the optimizer state; ``"sent"``: the bytes this rank sends by group) over a training step
-    (forward, backward, AdamW: ``foreach`` as torch's AdamW takes it, by default its choice for the device), its
-    optimizer state already made by a first step."""
+                 foreach: bool | None = None, accumulation: int = 1) -> dict:
+    """Per (family, layout, dtype): ``measure`` (``"peak"``: the most bytes of tensors alive at once beyond those
+    held before, what a step adds to the weights and the optimizer state, bench/live_bytes.py; ``"sent"``: the
+    bytes this rank sends by group) over a training step (``accumulation`` forwards and backwards, AdamW:
+    ``foreach`` as torch's AdamW takes it, by default its choice for the device), its optimizer state already made
+    by a first step."""
     from bench.communication import sent_bytes
-    from bench.train import peak_rise_bytes
+    from bench.live_bytes import live_peak_bytes
 
     out = {}
     for key, model, ids in _each_load(paths, layouts, seq):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=foreach)
 
         def step(m=model, x=ids, o=optimizer):
-            m(x, labels=x).loss.backward()
+            for _ in range(accumulation):
+                m(x, labels=x).loss.backward()
             o.step()
             o.zero_grad(set_to_none=True)
 
         step()
-        out[key] = peak_rise_bytes(step) if measure == "peak" else sent_bytes(step, model)
+        if measure == "sent":
+            out[key] = sent_bytes(step, model)
+            continue
+        hf_moe_tp.tokens_per_expert(model, reset=True)
+        peak = live_peak_bytes(step)
+        ep = layouts[key[1]].get("ep_size", 1)
+        out[key] = peak, _routing_skew(hf_moe_tp.tokens_per_expert(model), ep) if ep > 1 else 1.0
     return out
 
 
-PEAK_LAYOUTS = {"tp2+sp": (dict(tp=2, ep=1, cp=1, fsdp=1, dp_replicate=1), dict(sequence_parallel=True)),
+def _routing_skew(counts: torch.Tensor, ep: int) -> float:
+    """The busiest expert-parallel rank's routed tokens over the mean, over all layers (what its activations sum;
+    ``counts``: tokens per expert, a row per layer, each rank holding a contiguous ``1/ep`` of the experts)."""
+    per_rank = counts.reshape(counts.shape[0], ep, -1).sum((0, 2)).double()
+    return (per_rank.max() / per_rank.mean()).item()
+
+
+# the six layouts the plan is checked at: name -> (sizes, from_pretrained keywords)
+PEAK_LAYOUTS = {"tp2": (dict(tp=2, ep=1, cp=1, fsdp=1, dp_replicate=1), dict(sequence_parallel=False)),
+                "tp2+sp": (dict(tp=2, ep=1, cp=1, fsdp=1, dp_replicate=1), dict(sequence_parallel=True)),
+                "tp2xep2+sp": (dict(tp=2, ep=2, cp=1, fsdp=1, dp_replicate=1), dict(ep_size=2)),
                 "cp2": (dict(tp=1, ep=1, cp=2, fsdp=1, dp_replicate=1), dict(cp_size=2)),
+                "cp2xtp2+sp": (dict(tp=2, ep=1, cp=2, fsdp=1, dp_replicate=1), dict(cp_size=2)),
                 "fsdp2xtp2+sp": (dict(tp=2, ep=1, cp=1, fsdp=2, dp_replicate=1), dict(fsdp_size=2))}
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_a_training_step_peaks_below_the_plan(ranks, checkpoints, world):
-    """The plan's gradients, activations, FSDP2 buffers and backward peak bound what a training step adds on the
-    busiest rank (torch's allocator events), fp32 and bf16, Mixtral and DeepSeek-V3 (eager: its scores and their
-    gradients), within [0.95x, 1.5x] (1.06-1.37x over two runs, 2026-12-06, FSDP2's buffers counted as three layers: the
-    measured peak moves by up to 7% from run to run, as FSDP2's prefetch and gloo's buffers are freed on other
-    threads; the planner's device margin, 8% of the memory, covers the low side)."""
-    chosen = {n: (lay, kw) for n, (lay, kw) in PEAK_LAYOUTS.items() if lay["tp"] * lay["cp"] * lay["fsdp"] == world}
-    off = _step_peak_off(ranks(world), checkpoints, chosen, 1024)
+def test_a_training_step_peaks_within_10_percent_of_the_plan(ranks, checkpoints, world):
+    """At six layouts (TP 2 with and without sequence parallelism, TP 2 x EP 2, CP 2, CP 2 x TP 2, FSDP 2 x TP 2),
+    for Mixtral, Qwen3-MoE and DeepSeek-V3 (eager: its scores and their gradients), fp32 and bf16, 1024 tokens: the
+    plan's peak beyond the weights and optimizer state (its backward timeline: activations, gradients made so far,
+    FSDP2's gathered units, the moment's working set; or the optimizer step) is within [0.99x, 1.1x] of what the
+    busiest rank's second training step holds at its highest (1.02-1.09x, 2026-12-07; bench/live_bytes.py counts
+    it, the same on every run). Expert parallelism is planned with the routing skew the step measured."""
+    chosen = {n: v for n, v in PEAK_LAYOUTS.items() if v[0]["tp"] * v[0]["cp"] * v[0]["fsdp"] == world}
+    off = _step_peak_off(ranks(world), checkpoints, chosen, 1024, families=tuple(CONFIGS))
     assert off == {}, off
 
 
-def _step_peak_off(pool, checkpoints: dict, lays: dict, seq: int, foreach: bool | None = None) -> dict:
-    """Where the plan's terms beyond weights and optimizer state are not within [0.95x, 1.5x] of what a second
-    training step adds on the busiest rank of ``pool`` (Mixtral and DeepSeek-V3, fp32 and bf16, each of ``lays``:
-    name -> (sizes, from_pretrained keywords), ``foreach`` as AdamW takes it): key -> ratio."""
-    paths = {f: checkpoints[f] for f in ("mixtral", "deepseek_v3")}
-    per_rank = pool.run(_second_step, paths, {n: kw for n, (_, kw) in lays.items()}, seq, "peak", foreach)
+def test_gradient_accumulation_peaks_within_10_percent_of_the_plan(ranks, checkpoints):
+    """With two micro-batches per step the first's gradients live through the second's backward: the plan
+    (``Job(accumulation=2)``) is within [0.99x, 1.1x] of the step's peak at TP 2 (with and without sequence
+    parallelism), TP 2 x EP 2 and CP 2, Mixtral and DeepSeek-V3, fp32 and bf16 (1.02-1.08x, 2026-12-07; the plan
+    summing backward's terms said 0.84x for Mixtral at TP 2 + SP)."""
+    chosen = {n: v for n, v in PEAK_LAYOUTS.items() if v[0]["tp"] * v[0]["cp"] * v[0]["fsdp"] == 2}
+    off = _step_peak_off(ranks(2), checkpoints, chosen, 1024, accumulation=2)
+    assert off == {}, off
+
+
+def _step_peak_off(pool, checkpoints: dict, lays: dict, seq: int, foreach: bool | None = None,
+                   families: tuple[str, ...] = ("mixtral", "deepseek_v3"), accumulation: int = 1) -> dict:
+    """Where the plan's terms beyond weights and optimizer state are not within [0.99x, 1.1x] of what a second
+    training step adds on the busiest rank of ``pool`` (``families``, fp32 and bf16, each of ``lays``: name ->
+    (sizes, from_pretrained keywords), ``foreach`` as AdamW takes it, ``accumulation`` micro-batches): key ->
+    ratio."""
+    paths = {f: checkpoints[f] for f in families}
+    per_rank = pool.run(_second_step, paths, {n: kw for n, (_, kw) in lays.items()}, seq, "peak", foreach,
+                        accumulation)
     models = {f: Model(path) for f, path in paths.items()}
     off = {}
     for key in per_rank[0]:
         family, name, dtype = key
-        got = max(r[key] for r in per_rank)
-        job = Job(seq_len=seq, dtype=getattr(torch, dtype.removeprefix("torch.")),
-                  eager_attention=ATTENTION[family] == "eager")
-        memory = models[family].estimate(lays[name][0], Cluster(pool.world_size, pool.world_size), job).memory
+        got = max(r[key][0] for r in per_rank)
+        job = Job(seq_len=seq, dtype=getattr(torch, dtype.removeprefix("torch.")), accumulation=accumulation,
+                  eager_attention=ATTENTION[family] == "eager", expert_skew=per_rank[0][key][1])
+        lay, kwargs = lays[name]
+        memory = models[family].estimate(lay, Cluster(pool.world_size, pool.world_size), job,
+                                         kwargs.get("sequence_parallel", lay["tp"] > 1)).memory
         want = sum(v for term, v in memory.items() if term not in ("weights", "optimizer"))
-        print(key, round(want / got, 3))  # the ratios, with pytest -s
-        if not 0.95 * got <= want <= 1.5 * got:
+        print(key, round(want / got, 3), f"routing skew {job.expert_skew:.2f}")  # with pytest -s
+        if not 0.99 * got <= want <= 1.1 * got:
             off[key] = round(want / got, 3)
     return off
 
@@ -168,9 +203,8 @@ def _step_peak_off(pool, checkpoints: dict, lays: dict, seq: int, foreach: bool 
 def test_the_optimizer_step_peaks_below_the_plan(ranks, checkpoints):
     """With short sequences the step's peak is AdamW's, not backward's: the gradients and, in torch's foreach AdamW
     (its default on GPUs: here asked for), a temporary of every parameter's size. At TP 2, Mixtral and DeepSeek-V3,
-    fp32 and bf16, 16 tokens: the plan gives what the step adds within [0.95x, 1.5x] (0.99-1.0x here, a few bytes
-    per parameter under; without its optimizer step term it said 0.55-0.62x). FSDP2's step is not checked here: on
-    gloo its reduce-scatter is an all-reduce with copies, bigger than NCCL's (the step peak test covers FSDP2)."""
+    fp32 and bf16, 16 tokens: the plan gives what the step adds within [0.99x, 1.1x] (1.0x here; without its
+    optimizer step term it said 0.55-0.62x)."""
     lays = {"tp2": (dict(tp=2, ep=1, cp=1, fsdp=1, dp_replicate=1), dict(sequence_parallel=False))}
     off = _step_peak_off(ranks(2), checkpoints, lays, 16, foreach=True)
     assert off == {}, off
@@ -179,7 +213,7 @@ def test_the_optimizer_step_peaks_below_the_plan(ranks, checkpoints):
 def _generate_rise(paths: dict[str, str], seq: int) -> dict:
     """Per (family, dtype): the highest rise of live tensor bytes while generating 4 tokens after a prompt of
     ``seq``: the KV cache and the prefill's intermediates."""
-    from bench.train import peak_rise_bytes
+    from bench.live_bytes import live_peak_bytes
 
     out = {}
     for family, path in paths.items():
@@ -187,7 +221,7 @@ def _generate_rise(paths: dict[str, str], seq: int) -> dict:
             model = hf_moe_tp.from_pretrained(path, dtype=dtype, attn_implementation=ATTENTION[family])
             ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
             model.generate(ids, max_new_tokens=1, do_sample=False)  # the first call's one-off allocations
-            out[family, str(dtype)] = peak_rise_bytes(lambda m=model, x=ids: m.generate(x, max_new_tokens=4,
+            out[family, str(dtype)] = live_peak_bytes(lambda m=model, x=ids: m.generate(x, max_new_tokens=4,
                                                                                       do_sample=False))
             del model
     return out
@@ -195,7 +229,8 @@ def _generate_rise(paths: dict[str, str], seq: int) -> dict:
 
 def test_generation_peaks_below_the_plan(ranks, checkpoints):
     """At TP 2, the plan's KV cache and prefill term bound what generating after a 1024-token prompt adds on the
-    busiest rank, Mixtral and DeepSeek-V3 (eager), fp32 and bf16, within 1.5x (1.08-1.37x here, 2026-12-06)."""
+    busiest rank, Mixtral and DeepSeek-V3 (eager), fp32 and bf16, within 1.3x (1.03-1.25x, 2026-12-07: a block's
+    intermediates without gradients are not all alive at once, which the prefill term does not follow)."""
     paths = {f: checkpoints[f] for f in ("mixtral", "deepseek_v3")}
     per_rank = ranks(2).run(_generate_rise, paths, 1024)
     models = {f: Model(path) for f, path in paths.items()}
@@ -207,7 +242,8 @@ def test_generation_peaks_below_the_plan(ranks, checkpoints):
                   eager_attention=ATTENTION[family] == "eager")
         memory = models[family].estimate(dict(tp=2, ep=1, cp=1, fsdp=1, dp_replicate=1), Cluster(2, 2), job)
         want = memory.memory["kv cache"] + memory.memory["activations"]
-        if not got <= want <= 1.5 * got:
+        print(key, round(want / got, 3))  # the ratios, with pytest -s
+        if not got <= want <= 1.3 * got:
             off[key] = round(want / got, 3)
     assert off == {}, off
 
@@ -270,7 +306,7 @@ def test_weights_gradients_and_optimizer_are_what_ranks_hold(ranks, checkpoints,
     job = Job(dtype=dtype, seq_len=16)
     estimate = Model(checkpoints[saved]).estimate(lay, Cluster(world, world), job)
     for term in ("weights", "gradients", "optimizer"):
-        assert estimate.memory[term] == max(h[term] for h in held), (term, estimate.memory, held)
+        assert estimate.sizes[term] == max(h[term] for h in held), (term, estimate.sizes, held)
 
 
 # name -> (world size, from_pretrained keywords, the planner's layout, sequence parallelism)
@@ -426,7 +462,7 @@ def test_the_plan_on_8_ranks(ranks, checkpoints, lay):
     per_rank = ranks(8).run(_planned_step_on_rank, checkpoints["mixtral"], kwargs)
     estimate = Model(checkpoints["mixtral"]).estimate(lay, Cluster(8, 8), Job(seq_len=SENT_SEQ, dtype=torch.float32))
     for term in ("weights", "gradients", "optimizer"):
-        assert estimate.memory[term] == max(r[term] for r in per_rank), (term, estimate.memory)
+        assert estimate.sizes[term] == max(r[term] for r in per_rank), (term, estimate.sizes)
     shape = Shape.from_config(CONFIGS["mixtral"]())
     split = Split(tp=lay["tp"], ep=lay["ep"], cp=lay["cp"], sequence_parallel=True)
     saved = max(r["saved"] for r in per_rank)
@@ -472,14 +508,14 @@ def test_lora_plans_the_adapters_alone_as_trained(ranks, checkpoints):
     held = ranks(2).run(_lora_step_on_rank, checkpoints["mixtral"])
     lay = dict(tp=2, ep=1, cp=1, fsdp=1, dp_replicate=1)
     model = Model(checkpoints["mixtral"])
-    lora = model.estimate(lay, Cluster(2, 2), Job(dtype=torch.float32, seq_len=16, lora_rank=4)).memory
-    full = model.estimate(lay, Cluster(2, 2), Job(dtype=torch.float32, seq_len=16)).memory
+    lora_plan = model.estimate(lay, Cluster(2, 2), Job(dtype=torch.float32, seq_len=16, lora_rank=4))
+    lora, full = lora_plan.sizes, model.estimate(lay, Cluster(2, 2), Job(dtype=torch.float32, seq_len=16)).sizes
     for term in ("weights", "gradients", "optimizer"):
         got = max(h[term] for h in held)
         assert got <= lora[term] <= 2 * got, (term, lora[term], got)
     assert lora["weights"] - full["weights"] == lora["gradients"] < full["gradients"] / 10
     # whether it fits is judged on the adapters' gradients and state, not the full model's
-    lora_total = sum(lora.values())
+    lora_total = lora_plan.total
     tight = Cluster(2, 2, GIB + math.ceil(lora_total / 0.92) + 1024)
     assert model.estimate(lay, tight, Job(dtype=torch.float32, seq_len=16, lora_rank=4)).fits
     assert not model.estimate(lay, tight, Job(dtype=torch.float32, seq_len=16)).fits

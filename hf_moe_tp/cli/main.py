@@ -63,6 +63,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     planner.add_argument("--inference", action="store_true", help="plan inference (default: training)")
     planner.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     planner.add_argument("--micro-batch", type=int, default=1, help="sequences per data-parallel rank (default 1)")
+    planner.add_argument("--accumulation", type=int, default=1,
+                         help="micro-batches per optimizer step: gradient accumulation (default 1)")
+    planner.add_argument("--expert-skew", type=float, default=1.25,
+                         help="expert parallelism: the busiest rank's routed tokens over the mean (default 1.25; "
+                         "hf_moe_tp.tokens_per_expert measures your router's)")
     planner.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16")
     planner.add_argument("--master-float32", action="store_true",
                          help="float32 weights, gradients and optimizer state, --dtype compute (FSDP2 mixed precision)")
@@ -155,7 +160,7 @@ def _plan(args: argparse.Namespace) -> int:
               dtype=getattr(torch, args.dtype), master_float32=args.master_float32, optimizer=args.optimizer,
               checkpointing=args.checkpointing, kv_tokens=args.kv_tokens or args.seq_len,
               eager_attention=args.eager_attention, keep_quantized=args.keep_quantized, lora_rank=args.lora_rank,
-              lora_experts=args.lora_experts)
+              lora_experts=args.lora_experts, accumulation=args.accumulation, expert_skew=args.expert_skew)
     try:
         candidates = plan(args.path, cluster, job)
     except ValueError as e:  # a job the model cannot have (keep_quantized on an unquantized config)

@@ -25,7 +25,7 @@ from torch import nn
 
 from .._compat import MODEL_SUPPORTS_FLASH, MODEL_SUPPORTS_SDPA
 from ..checkpoint.quantization_config import quantization_of
-from ..parallel.activations import Shape, Split, backward_peak_bytes, forward_peak_bytes, saved_bytes
+from ..parallel.activations import Shape, Split, blocks, forward_peak_bytes, step_peak
 from ..parallel.communication import Weights, sent_bytes
 from ..parallel.experts import GroupedExperts
 
@@ -55,7 +55,10 @@ class Cluster:
 class Job:
     """What the ranks do. Training: a micro-batch of sequences per data-parallel rank, the optimizer's state, the
     weights in ``dtype`` (``master_float32``: float32 weights, gradients and state with ``dtype`` compute, as FSDP2's
-    mixed precision keeps them). Inference: ``kv_tokens`` tokens of KV cache per model replica (batch x context)."""
+    mixed precision keeps them), ``accumulation`` micro-batches per optimizer step (their gradients summed: the
+    first's held through the next's backward), the busiest expert-parallel rank's routed tokens ``expert_skew``
+    times the mean (``hf_moe_tp.tokens_per_expert`` measures a router's). Inference: ``kv_tokens`` tokens of KV cache
+    per model replica (batch x context)."""
 
     training: bool = True
     seq_len: int = 4096
@@ -69,6 +72,8 @@ class Job:
     keep_quantized: bool = False  # inference with FP8 weights kept (from_pretrained(keep_quantized=True))
     lora_rank: int = 0  # training LoRA adapters of this rank on the attention projections (the rest frozen)
     lora_experts: bool = False  # and on every expert weight (transformers' target_parameters recipe)
+    accumulation: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    expert_skew: float = 1.25  # expert parallelism: the busiest rank's routed tokens over the mean
 
     def __post_init__(self) -> None:
         if self.keep_quantized and self.training:
@@ -76,15 +81,23 @@ class Job:
                              "(plan training dequantized, without keep_quantized)")
         if (self.lora_rank and not self.training) or (self.lora_experts and not self.lora_rank):
             raise ValueError("Job(lora_rank=...) plans training adapters of that rank (lora_experts with it)")
+        if self.accumulation < 1 or (self.accumulation > 1 and not self.training):
+            raise ValueError(f"Job(accumulation={self.accumulation}): micro-batches per training step, at least 1")
+        if self.expert_skew < 1:
+            raise ValueError(f"Job(expert_skew={self.expert_skew}): the busiest expert-parallel rank's routed tokens "
+                             "over the mean, at least 1")
 
 
 @dataclass
 class Candidate:
-    """One layout and its busiest rank's bytes by term."""
+    """One layout and its busiest rank's bytes: ``memory`` by term at its highest moment (``peak_at``), ``sizes``
+    each term whole (the gradients once all are made, every activation saved)."""
 
     layout: dict[str, int]
     sequence_parallel: bool
     memory: dict[str, int] = field(default_factory=dict)
+    peak_at: str = ""
+    sizes: dict[str, int] = field(default_factory=dict)
     read_bytes: int = 0
     sent: dict[str, int] = field(default_factory=dict)  # training: bytes sent per step, by group
     fits: bool = False
@@ -178,6 +191,7 @@ class Model:
         self.shape = Shape.from_config(config, model)
         self.largest_unit = _largest_unit_share(model)
         self.head_params = _head_params(model)
+        self.shares = _block_shares(model, self.shape)
         self._model = model  # the meta model, for LoRA's adapter sizes
         self.quantization = quantization_of(config, path)
         cls = type(model)  # no fused attention kernel: eager attention keeps its scores
@@ -215,18 +229,21 @@ class Model:
             return Candidate(lay, False, why=f"refused: {str(e).splitlines()[0][:160]}")
         sp = lay["tp"] > 1 and job.training if sequence_parallel is None else sequence_parallel
         split = Split(tp=lay["tp"], ep=lay["ep"], cp=lay["cp"], sequence_parallel=sp,
-                      checkpointing=job.checkpointing and job.training, attention_tp=_splits_attention(found))
+                      checkpointing=job.checkpointing and job.training, attention_tp=_splits_attention(found),
+                      skew=job.expert_skew)
         # LoRA: the base frozen, gradients and state for the adapters only (float32, as PEFT makes them)
         adapters = _lora_params(self._model, job.lora_rank, job.lora_experts) * 4 if job.lora_rank else 0
         c = _estimate(lay, split, found, self.shape, job, self.largest_unit, self.eager or job.eager_attention,
-                      adapters)
+                      adapters, self.shares)
         if job.training:
             wb = 4 if job.master_float32 else job.dtype.itemsize  # the parameters' dtype
             held, shard = c.memory["weights"], lay["fsdp"] * lay["cp"]
             head = self.head_params * wb // lay["tp"]  # the output head, split by TP
             weights = Weights(held, held * shard - head, self.largest_unit, (adapters or held) / held)
-            c.sent = sent_bytes(self.shape, split, job.seq_len, job.dtype.itemsize, weights, fsdp=lay["fsdp"],
-                                dp_replicate=lay["dp_replicate"], micro_batch=job.micro_batch, weight_bytes=wb)
+            sent = sent_bytes(self.shape, split, job.seq_len, job.dtype.itemsize, weights, fsdp=lay["fsdp"],
+                              dp_replicate=lay["dp_replicate"], micro_batch=job.micro_batch, weight_bytes=wb)
+            # every micro-batch sends its own: FSDP2 gathers and reduce-scatters in each backward by default
+            c.sent = {group: n * job.accumulation for group, n in sent.items()}
         usable = cluster.usable()
         c.fits = c.total <= usable
         if not c.fits:
@@ -243,8 +260,9 @@ STEP_TEMPORARIES = {"adamw": 1, "sgd": 1, "none": 0}
 
 
 def _estimate(lay: dict, split: Split, found, shape: Shape, job: Job, largest_unit: float, eager: bool,
-              adapters: int) -> Candidate:
-    """The busiest rank's memory by term at ``lay`` (``adapters``: LoRA's bytes, the only ones trained)."""
+              adapters: int, shares: list[float]) -> Candidate:
+    """The busiest rank's memory by term at ``lay`` (``adapters``: LoRA's bytes, the only ones trained;
+    ``shares``: each of :func:`~hf_moe_tp.parallel.activations.blocks`' share of the parameters)."""
     compute = job.dtype.itemsize
     busiest = max(range(len(found.rank_bytes)), key=found.rank_bytes.__getitem__)
     weights = found.rank_bytes[busiest]  # in the job's dtype (float32-kept parameters in float32)
@@ -255,23 +273,33 @@ def _estimate(lay: dict, split: Split, found, shape: Shape, job: Job, largest_un
         c.memory["fp8 weights kept"] = kept  # with their scales
     if job.training:
         trained = adapters or weights  # every adapter counted whole on every rank: errs high where TP splits them
-        c.memory["gradients"] = trained
         c.memory["optimizer"] = OPTIMIZER_STATES[job.optimizer] * trained
-        if lay["fsdp"] * lay["cp"] > 1:  # two layers gathered, and in backward one's gradients, in compute dtype
-            c.memory["fsdp buffers"] = int(3 * largest_unit * weights * lay["fsdp"] * lay["cp"] * compute
-                                           / found.dtype_bytes)
-        c.memory["activations"] = saved_bytes(shape, split, job.seq_len, compute, job.micro_batch, scores=eager)
-        c.memory["backward peak"] = backward_peak_bytes(shape, split, job.seq_len, job.micro_batch, scores=eager)
-        # the step runs after backward has let go of the activations and FSDP2's buffers; where its gradients and
-        # temporaries outgrow them (short sequences, checkpointing), the difference is a term of its own
-        backward = sum(c.memory[t] for t in ("gradients", "fsdp buffers", "activations", "backward peak")
-                       if t in c.memory)
-        step = c.memory["gradients"] + STEP_TEMPORARIES[job.optimizer] * trained
-        if step > backward:
-            c.memory["optimizer step"] = step - backward
+        parts = blocks(shape, split, job.seq_len, compute, job.micro_batch, scores=eager)
+        # each block's backward makes its parameters' gradients (adapters': all at the first, erring high)
+        grads = [int(trained * share) for share in shares] if not adapters else [0] * (len(parts) - 1) + [trained]
+        grads[-1] += trained - sum(grads)
+        # FSDP2's units gathered whole, in compute dtype
+        shard = lay["fsdp"] * lay["cp"]
+        gathered = {} if shard == 1 else {
+            unit: int(sum(sh for b, sh in zip(parts, shares, strict=True) if b.unit == unit) * weights * shard
+                      * compute / found.dtype_bytes) for unit in dict.fromkeys(b.unit for b in parts)}
+        peak = step_peak(parts, grads, accumulated=job.accumulation > 1, gathered=gathered, shard=shard)
+        # the optimizer's step runs after backward has let go of the activations and FSDP2's buffers
+        temporaries = STEP_TEMPORARIES[job.optimizer] * trained
+        c.sizes = {"weights": weights - kept + adapters, "gradients": trained, "optimizer": c.memory["optimizer"],
+                   "activations": sum(b.saved for b in parts)}
+        if trained + temporaries >= peak.total:
+            c.peak_at = "optimizer step"
+            c.memory.update({"gradients": trained, "optimizer step": temporaries})
+        else:
+            c.peak_at = peak.at
+            c.memory.update({"gradients": peak.gradients, "fsdp buffers": peak.gathered,
+                             "activations": peak.activations, "working set": peak.working})
+        c.memory = {k: v for k, v in c.memory.items() if v or k in ("weights", "gradients")}
     else:
         c.memory["kv cache"] = _kv_bytes(shape, job, lay["tp"] if split.attention_tp else 1)
         c.memory["activations"] = forward_peak_bytes(shape, split, job.seq_len, compute, scores=eager)
+        c.peak_at, c.sizes = "prefill", dict(c.memory)
     return c
 
 
@@ -297,6 +325,25 @@ def _largest_unit_share(model) -> float:
     units = [sum(p.numel() for p in m.parameters()) for name, m in model.named_modules()
              if name.endswith(("embed_tokens", "lm_head")) or _is_layer(name)]
     return max(units, default=total) / total
+
+
+def _block_shares(model, shape: Shape) -> list[float]:
+    """Each training block's share of the parameters (:func:`~hf_moe_tp.parallel.activations.blocks`' order: the
+    embedding, each layer's attention and MLP, the loss), the gradients its backward makes; parameters outside the
+    decoder (a final norm, the output head, a vision tower) go with the loss, whose gradients are made first."""
+    shares = [0] * (2 + 2 * shape.layers)
+    total = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        found = re.search(r"(?:^|\.)layers\.(\d+)\.(.*)", name)
+        if found and int(found[1]) < shape.layers:
+            attention = re.match(r"(self_attn|attn|attention|input_layernorm)\b", found[2]) is not None
+            shares[1 + 2 * int(found[1]) + (0 if attention else 1)] += p.numel()
+        elif "embed_tokens" in name:
+            shares[0] += p.numel()
+        else:
+            shares[-1] += p.numel()
+    return [n / total for n in shares]
 
 
 def _lora_params(model, rank: int, experts: bool) -> int:
@@ -329,7 +376,8 @@ def as_json(candidates: list[Candidate]) -> list[dict]:
 
 
 def print_plan(candidates: list[Candidate], cluster: Cluster, job: Job) -> None:
-    """The plan as a table: one layout a line, its busiest rank's GiB by term; why each misfit does not fit."""
+    """The plan as a table: one layout a line, its busiest rank's GiB by term at its highest moment (which moment:
+    the last column); why each misfit does not fit."""
     kind = (f"training, {job.micro_batch} x {job.seq_len} tokens per data-parallel rank, {job.optimizer}, "
             f"{str(job.dtype).removeprefix('torch.')}" + (" (float32 master)" if job.master_float32 else "")
             + (", activation checkpointing" if job.checkpointing else "")) if job.training else \
@@ -343,14 +391,15 @@ def print_plan(candidates: list[Candidate], cluster: Cluster, job: Job) -> None:
     shown = [c for c in candidates if not c.refused]
     terms = list(dict.fromkeys(t for c in shown for t in c.memory))
     sends = list(dict.fromkeys(g for c in shown for g in c.sent))
-    head = ["layout", *terms, "total", "read at load", *(f"sent {g}" for g in sends), *(["wire s"] if sends else [])]
+    head = ["layout", *terms, "total", "read at load", *(f"sent {g}" for g in sends), *(["wire s"] if sends else []),
+            "fits"]
     rows = [[c.name(), *[_gib(c.memory.get(t, 0)) for t in terms], _gib(c.total), _gib(c.read_bytes),
-             *[_gib(c.sent.get(g, 0)) for g in sends], *([f"{wire_seconds(c, cluster):.2f}"] if sends else [])]
-            for c in shown]
+             *[_gib(c.sent.get(g, 0)) for g in sends], *([f"{wire_seconds(c, cluster):.2f}"] if sends else []),
+             "yes" if c.fits else "no"] for c in shown]
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
-    print("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)) + "  fits")
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)) + "  peak at")
     for c, row in zip(shown, rows, strict=True):
-        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)) + ("  yes" if c.fits else "  no"))
+        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)) + f"  {c.peak_at}")
     for c in candidates:
         if not c.fits:
             print(f"  {c.name()}: {c.why}")

@@ -101,13 +101,27 @@ class Split:
     skew: float = 1.25  # expert parallelism: the busiest rank's share of routed tokens over the mean
 
 
-def saved_bytes(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, micro_batch: int = 1,
-                scores: bool = False) -> int:
-    """Bytes a training forward of ``micro_batch`` sequences of ``seq_len`` tokens saves for backward on the busiest
-    rank, weights excluded. ``scores``: the attention kernel keeps its score matrix (eager attention, or sdpa's
-    math path: on CPU where query and value heads differ in size); fused kernels (flash, memory-efficient) keep
-    the log-sum-exp only. With checkpointing, each layer keeps its input, and one layer at a time its whole set
-    (recomputed in backward)."""
+@dataclass(frozen=True)
+class Block:
+    """One step of a training forward as the timeline sees it (bytes on the busiest rank): what it keeps for
+    backward, what it holds for a moment beyond that in forward, and in its backward."""
+
+    name: str
+    saved: int
+    forward: int = 0
+    backward: int = 0
+    unit: str = ""  # the FSDP2 unit its parameters are in: "embedding", "layer 3", "loss" (the output head)
+
+
+def blocks(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, micro_batch: int = 1,
+           scores: bool = False) -> list[Block]:
+    """The training forward of ``micro_batch`` sequences of ``seq_len`` tokens on the busiest rank as blocks in
+    forward order: the embedding, each decoder layer's attention and MLP (or experts), the loss. ``scores``: the
+    attention kernel keeps its score matrix (eager attention, or sdpa's math path: on CPU where query and value
+    heads differ in size); fused kernels (flash, memory-efficient) keep the log-sum-exp only. With checkpointing,
+    each layer keeps its input, and its backward first recomputes the layer's whole set. A block's backward holds
+    the gradients of what it saved (as many bytes) and, where attention keeps scores, their float32 gradients
+    twice; the loss holds the float32 logits' softmax and gradient twice, in forward and in backward."""
     s, b = shape, dtype_bytes
     t, cp = split.tp, split.cp
     local = micro_batch * seq_len / cp  # every per-token term below is for one of this rank's tokens
@@ -126,41 +140,132 @@ def saved_bytes(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, micr
         attention_split = 2 * (s.heads + s.kv_heads) * s.head_dim * b
         if s.qk_norm:  # a norm per head on the queries and keys
             attention_split += norm(s.heads * s.head_dim) + norm(s.kv_heads * s.head_dim)
-    if cp > 1:  # Ulysses: the heads' tensors kept before the all-to-all (this rank's tokens, every head) and after
-        attention_split *= 2
+    if cp > 1:  # Ulysses: the query and the attention output kept on both sides of their all-to-alls
+        attention_split += s.heads * (s.head_dim + s.value_dim) * b
     heads_over = t if split.attention_tp else 1
-    attention = attention_whole + (attention_split + s.heads * per_head) / heads_over + 2 * s.head_dim * 4
+    attention = (norm(s.hidden) / stream + attention_whole + (attention_split + s.heads * per_head) / heads_over
+                 + 2 * s.head_dim * 4)
     router = s.hidden * b + s.experts * (b + 5) + s.top_k * 16 + 16
     share = split.skew / split.ep if split.ep > 1 else 1.0  # of the routed tokens, on the busiest rank
     expert_hidden = s.expert_hidden / (t if split.ep == 1 else 1)
     experts = s.top_k * share * (4 * expert_hidden * b + 20 + (s.hidden * b if split.ep > 1 else 0)) + s.experts * 8
+    if split.ep > 1:  # the dispatch keeps a second copy of its (gathered) input and the outputs it combines
+        experts += s.hidden * b + s.top_k * s.hidden * b / stream
     mlp = lambda width: 4 * width * b / t  # noqa: E731  gate, up, their product's inputs, the down projection's
-    moe_layer = 2 * norm(s.hidden) / stream + router / stream + attention + experts + mlp(s.shared_hidden)
-    dense_layer = 2 * norm(s.hidden) / stream + attention + s.hidden * b + mlp(s.dense_hidden)
-    head = norm(s.hidden) / stream + s.hidden * b + s.vocab * 4 + 16  # the logits upcast for the loss
+    moe = norm(s.hidden) / stream + router + experts + mlp(s.shared_hidden)  # the router sees the gathered tokens
+    dense = norm(s.hidden) / stream + s.hidden * b + mlp(s.dense_hidden)
+    scores_fp32 = _layer_scores(shape, split, seq_len, micro_batch) if scores else 0
+    score_grads = scores_fp32 * (1 + b / 4)
+    # the loss keeps its logits in float32: split over the vocabulary under TP (the split loss, loss.py)
+    logits = local * s.vocab / t * 4
+    # ... and holds for a moment the outputs' logits gathered over TP and CP (the whole vocabulary and sequence)
+    # three times over, and its own slice's float32 copy (measured on gloo ranks: 2.9-3.4x the gathered bytes)
+    loss_forward = 3 * micro_batch * seq_len * s.vocab * b + logits
+    # the experts' forward holds the routed copies of its tokens and their outputs before they are combined
+    experts_forward = local * (2 * s.top_k * share * s.hidden * b + s.hidden * b) if s.moe_layers else 0
+    # the embedding's output (the residual stream), the rotary embedding's cosines and sines, and where attention
+    # keeps scores, the causal mask it adds to them (this rank's queries against every key)
+    mask = local * seq_len * b if scores else 0
+    out = [Block("embedding", int(local * s.hidden * b + 2 * seq_len * micro_batch * s.head_dim * 4 + mask),
+                 unit="embedding")]
+    for i in range(s.layers):
+        moe_layer = i >= s.layers - s.moe_layers
+        second = (moe if moe_layer else dense) * local
+        first = attention * local
+        if split.checkpointing:  # the layer keeps its input; its backward recomputes the whole set first
+            kept = local * s.hidden * b / stream
+            out += [Block(f"layer {i} attention", int(kept), int(first + scores_fp32),
+                          int(first + (score_grads if scores else first) + second), f"layer {i}"),
+                    Block(f"layer {i} mlp", 0, int(second + (experts_forward if moe_layer else 0)),
+                          int(2 * second + first), f"layer {i}")]
+        else:
+            # backward: the gradients of what it saved; with scores, the float32 gradient of the scores and the
+            # probabilities' in the compute dtype, at a moment when little else of its backward has been made
+            out += [Block(f"layer {i} attention", int(first), int(scores_fp32),
+                          int(score_grads if scores else first), f"layer {i}"),
+                    Block(f"layer {i} mlp", int(second), int(experts_forward if moe_layer else 0),
+                          int(second), f"layer {i}")]
+    head = local * (norm(s.hidden) / stream + s.hidden * b + 16) + logits
+    out.append(Block("loss", int(math.ceil(head)), int(loss_forward), int(2 * logits), "loss"))
+    return out
+
+
+def saved_bytes(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, micro_batch: int = 1,
+                scores: bool = False) -> int:
+    """Bytes a training forward of ``micro_batch`` sequences of ``seq_len`` tokens saves for backward on the busiest
+    rank, weights excluded (:func:`blocks`' ``saved``, summed; with checkpointing, one layer's whole set beside the
+    layers' inputs, as its backward recomputes it)."""
+    found = blocks(shape, split, seq_len, dtype_bytes, micro_batch, scores)
     if split.checkpointing:
-        body = s.layers * s.hidden * b / stream + max(moe_layer if s.moe_layers else 0, dense_layer)
-    else:
-        body = s.moe_layers * moe_layer + (s.layers - s.moe_layers) * dense_layer
-    return int(math.ceil(local * (body + head)))
+        whole = blocks(shape, dataclasses.replace(split, checkpointing=False), seq_len, dtype_bytes, micro_batch,
+                       scores)
+        layer = max(whole[i].saved + whole[i + 1].saved for i in range(1, len(whole) - 1, 2))
+        return sum(b.saved for b in found) + layer
+    return sum(b.saved for b in found)
 
 
-def backward_peak_bytes(shape: Shape, split: Split, seq_len: int, micro_batch: int = 1, scores: bool = False) -> int:
-    """What backward holds for a moment beyond the saved bytes, at most: the loss's float32 gradient of the
-    logits (twice: the gradient and the softmax it is computed from), or, where attention keeps its scores, one
-    layer's score gradients (float32, twice)."""
-    logits = 2 * micro_batch * seq_len / split.cp * shape.vocab * 4
-    return int(math.ceil(max(logits, 2 * _layer_scores(shape, split, seq_len, micro_batch) if scores else 0)))
+@dataclass(frozen=True)
+class Peak:
+    """A training step's highest moment on a rank (bytes beyond the weights and the optimizer state): the saved
+    activations, the gradients, FSDP2's gathered layers and the moment's working set live then, and where it is."""
+
+    activations: int
+    gradients: int
+    gathered: int
+    working: int
+    at: str
+
+    @property
+    def total(self) -> int:
+        """All of it."""
+        return self.activations + self.gradients + self.gathered + self.working
+
+
+def step_peak(found: list[Block], gradients: list[int], accumulated: bool = False,
+              gathered: dict[str, int] | None = None, shard: int = 1) -> Peak:
+    """The highest moment of forward and backward over ``found`` (:func:`blocks`), each block's backward making its
+    parameters' ``gradients`` (bytes on this rank, aligned with the blocks). ``accumulated``: an earlier
+    micro-batch's gradients are held throughout, and each block adds its own into them (a moment's copy).
+    ``gathered``: FSDP2's units' bytes gathered, by :attr:`Block.unit` (None: no FSDP2); a block's unit is held
+    with the next one (prefetched: in forward the next, the last layer kept for backward; in backward the one
+    before, the embedding's lookup needing no gathered table), and in backward its unit's gradients whole
+    (``shard`` times this rank's) until their reduce-scatter at the unit's end."""
+    gathered = gathered or {}
+    order = list(dict.fromkeys(b.unit for b in found))
+    before = dict(zip(order, ["", *order[:-1]], strict=True))
+    # forward's prefetched unit; at the last, the one before it, kept gathered for backward
+    after = dict(zip(order, order[1:] + order[-2:-1], strict=True))
+    held = sum(gradients) if accumulated else 0
+    acts, best, whole, sharded = 0, Peak(0, 0, 0, 0, ""), 0, 0
+    for b in found:
+        fsdp = gathered.get(b.unit, 0) + gathered.get(after[b.unit], 0)
+        if acts + held + fsdp + b.forward > best.total:
+            best = Peak(acts, held, fsdp, b.forward, f"forward: {b.name}")
+        acts += b.saved
+    for i, (b, g) in enumerate(zip(reversed(found), reversed(gradients), strict=True)):
+        working = b.backward + (g if accumulated and not gathered else 0)  # FSDP2 adds a reduce-scatter's output
+        fsdp = gathered.get(b.unit, 0) + (gathered.get(before[b.unit], 0) if before[b.unit] != "embedding" else 0)
+        if acts + held + fsdp + whole + working > best.total:
+            best = Peak(acts, held, fsdp + whole, working, f"backward: {b.name}")
+        acts -= b.saved
+        if not gathered:
+            held += 0 if accumulated else g
+            continue
+        whole += g * shard  # this unit's gradients whole so far, before their reduce-scatter
+        sharded += 0 if accumulated else g
+        if i + 1 == len(found) or found[len(found) - 2 - i].unit != b.unit:  # the unit's end: reduce-scattered
+            whole, held, sharded = 0, held + sharded, 0
+    return best
 
 
 def forward_peak_bytes(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, micro_batch: int = 1,
                        scores: bool = False) -> int:
     """What a forward without gradients (a prefill of ``seq_len`` tokens) holds at most beside the weights and
-    the cache: one decoder layer's intermediates (as many as its training forward saves), and where attention
-    keeps its scores, a second copy of them (the float32 scores and their softmax live together)."""
-    one = dataclasses.replace(shape, layers=1, moe_layers=min(1, shape.moe_layers), vocab=0)
-    layer = saved_bytes(one, split, seq_len, dtype_bytes, micro_batch, scores)
-    return int(math.ceil(layer + (_layer_scores(shape, split, seq_len, micro_batch) if scores else 0)))
+    the cache: what the embedding's block keeps (the residual stream, the rotary tables, a causal mask) and one
+    block's intermediates (as many as its training forward saves, and what it holds for a moment beyond them),
+    the largest of the layers'."""
+    found = blocks(shape, split, seq_len, dtype_bytes, micro_batch, scores)
+    return found[0].saved + max(b.saved + b.forward for b in found if b.unit.startswith("layer"))
 
 
 def _layer_scores(shape: Shape, split: Split, seq_len: int, micro_batch: int) -> float:
