@@ -36,12 +36,13 @@ CONFIGS = {
 # keeps float32 copies no GPU kernel keeps; eager keeps the scores, as the model's scores=True counts them
 ATTENTION = {"mixtral": "sdpa", "qwen3_moe": "sdpa", "deepseek_v3": "eager"}
 # name -> (world size, from_pretrained keywords, the activation model's split); routing of random tiny models is
-# near balanced, so the expert-parallel split is checked without the planner's skew margin
+# near balanced (the busiest EP rank gets 1.03-1.09x the mean: the step tests measure it), so the expert-parallel
+# split is checked with a skew of 1.1 rather than the planner's default margin
 LAYOUTS = {
     "tp2": (2, dict(sequence_parallel=False), Split(tp=2)),
     "tp2+sp": (2, dict(sequence_parallel=True), Split(tp=2, sequence_parallel=True)),
     "cp2": (2, dict(cp_size=2), Split(cp=2)),
-    "tp2xep2": (2, dict(ep_size=2), Split(tp=2, ep=2, skew=1.0)),
+    "tp2xep2+sp": (2, dict(ep_size=2), Split(tp=2, ep=2, sequence_parallel=True, skew=1.1)),
     "cp2xtp2+sp": (4, dict(cp_size=2), Split(cp=2, tp=2, sequence_parallel=True)),
 }
 HIGH = 1.3  # the model errs high: measured <= predicted <= 1.3 x measured (1.01-1.25 here, 2026-12-06)
@@ -503,8 +504,8 @@ def _lora_step_on_rank(path: str) -> dict:
 
 def test_lora_plans_the_adapters_alone_as_trained(ranks, checkpoints):
     """``Job(lora_rank=4)``: the base frozen, gradients and AdamW state for the adapters only, at least what a TP-2
-    rank holds after a PEFT LoRA step on attention and at most twice it (the plan counts every adapter whole on
-    each rank); the weights are the base's plus the adapters'."""
+    rank holds after a PEFT LoRA step on attention and at most 1.1x it (each adapter split as its base: a
+    column-split projection's B, a row-split one's A); the weights are the base's plus the adapters'."""
     held = ranks(2).run(_lora_step_on_rank, checkpoints["mixtral"])
     lay = dict(tp=2, ep=1, cp=1, fsdp=1, dp_replicate=1)
     model = Model(checkpoints["mixtral"])
@@ -512,7 +513,7 @@ def test_lora_plans_the_adapters_alone_as_trained(ranks, checkpoints):
     lora, full = lora_plan.sizes, model.estimate(lay, Cluster(2, 2), Job(dtype=torch.float32, seq_len=16)).sizes
     for term in ("weights", "gradients", "optimizer"):
         got = max(h[term] for h in held)
-        assert got <= lora[term] <= 2 * got, (term, lora[term], got)
+        assert got <= lora[term] <= 1.1 * got, (term, lora[term], got)
     assert lora["weights"] - full["weights"] == lora["gradients"] < full["gradients"] / 10
     # whether it fits is judged on the adapters' gradients and state, not the full model's
     lora_total = lora_plan.total
@@ -558,16 +559,23 @@ def test_plan_on_the_command_line(checkpoints, capsys, tmp_path):
 
 def test_plan_options_on_the_command_line(checkpoints, capsys):
     """The command line's job and cluster options reach the plan: ``--lora-rank`` / ``--lora-experts`` (LoRA's
-    memory), ``--node-bandwidth`` / ``--network-bandwidth`` (the wire ranking), and ``--keep-quantized`` on a model
-    without FP8 is refused naming it (exit 2)."""
+    memory), ``--accumulation`` (the first micro-batch's gradients held, every micro-batch's bytes sent),
+    ``--expert-skew`` (the EP rank's routed tokens), ``--node-bandwidth`` / ``--network-bandwidth`` (the wire
+    ranking), and ``--keep-quantized`` on a model without FP8 is refused naming it (exit 2)."""
     path = checkpoints["mixtral"]
-    args = ["plan", path, "--gpus", "4", "--gpus-per-node", "2", "--json", "--lora-rank", "4", "--lora-experts",
-            "--node-bandwidth", "100", "--network-bandwidth", "10"]
-    assert main(args) == 0
-    listed = json.loads(capsys.readouterr().out)
     cluster = Cluster(4, 2, 80 * GIB, 100e9, 10e9)
-    want = Model(path).plan(cluster, Job(lora_rank=4, lora_experts=True))
-    assert [(c["name"], c["memory"], c["sent"]) for c in listed] == [(c.name(), c.memory, c.sent) for c in want]
+    for options, job in [(["--lora-rank", "4", "--lora-experts"], Job(lora_rank=4, lora_experts=True)),
+                         (["--accumulation", "2", "--expert-skew", "1.5"], Job(accumulation=2, expert_skew=1.5))]:
+        assert main(["plan", path, "--gpus", "4", "--gpus-per-node", "2", "--json", "--node-bandwidth", "100",
+                     "--network-bandwidth", "10", *options]) == 0
+        listed = json.loads(capsys.readouterr().out)
+        want = Model(path).plan(cluster, job)
+        assert [(c["name"], c["memory"], c["sent"]) for c in listed] == [(c.name(), c.memory, c.sent) for c in want]
+    one, two = (Model(path).estimate(dict(tp=2, ep=2, cp=1, fsdp=1, dp_replicate=1), cluster, Job(accumulation=n))
+                for n in (1, 2))
+    assert two.total > one.total and two.sent == {g: 2 * n for g, n in one.sent.items()}, (one, two)
+    with pytest.raises(ValueError, match="accumulation=0"):
+        Job(accumulation=0)
     assert main(["plan", path, "--gpus", "2", "--inference", "--keep-quantized"]) == 2
     assert "declares no FP8 quantization_config" in capsys.readouterr().err
 

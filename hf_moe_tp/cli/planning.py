@@ -232,7 +232,8 @@ class Model:
                       checkpointing=job.checkpointing and job.training, attention_tp=_splits_attention(found),
                       skew=job.expert_skew)
         # LoRA: the base frozen, gradients and state for the adapters only (float32, as PEFT makes them)
-        adapters = _lora_params(self._model, job.lora_rank, job.lora_experts) * 4 if job.lora_rank else 0
+        adapters = _lora_params(self._model, job.lora_rank, job.lora_experts, lay["tp"], found.plan) * 4 \
+            if job.lora_rank else 0
         c = _estimate(lay, split, found, self.shape, job, self.largest_unit, self.eager or job.eager_attention,
                       adapters, self.shares)
         if job.training:
@@ -272,7 +273,7 @@ def _estimate(lay: dict, split: Split, found, shape: Shape, job: Job, largest_un
     if kept:
         c.memory["fp8 weights kept"] = kept  # with their scales
     if job.training:
-        trained = adapters or weights  # every adapter counted whole on every rank: errs high where TP splits them
+        trained = adapters or weights
         c.memory["optimizer"] = OPTIMIZER_STATES[job.optimizer] * trained
         parts = blocks(shape, split, job.seq_len, compute, job.micro_batch, scores=eager)
         # each block's backward makes its parameters' gradients (adapters': all at the first, erring high)
@@ -346,13 +347,18 @@ def _block_shares(model, shape: Shape) -> list[float]:
     return [n / total for n in shares]
 
 
-def _lora_params(model, rank: int, experts: bool) -> int:
-    """LoRA adapters' parameters: ``rank`` x (inputs + outputs) for each linear layer of attention, and with
-    ``experts`` for each expert's matrices (a 3-D weight: its experts x rank x its two other sizes)."""
+def _lora_params(model, rank: int, experts: bool, tp: int = 1, plan: dict | None = None) -> int:
+    """LoRA adapters' parameters on one rank: ``rank`` x (inputs + outputs) for each linear layer of attention, the
+    side TP splits divided by ``tp`` (a column-split projection's B matrix, a row-split one's A, as the adapters
+    follow their base's placement under ``plan``), and with ``experts`` for each expert's matrices (a 3-D weight:
+    its experts x rank x its two other sizes; counted whole on every rank, erring high)."""
+    styles = [(re.compile(re.escape(k).replace(r"\*", r"\d+") + "$"), str(v)) for k, v in (plan or {}).items()]
     total = 0
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and ".self_attn." in f".{name}.":
-            total += rank * (module.in_features + module.out_features)
+            style = next((v for pattern, v in styles if pattern.match(name)), "")
+            total += rank * (module.in_features // (tp if "Rowwise" in style else 1)
+                             + module.out_features // (tp if "Colwise" in style else 1))
         elif experts and isinstance(module, GroupedExperts):
             total += sum(rank * p.shape[0] * (p.shape[1] + p.shape[2])
                          for p in module.parameters(recurse=False) if p.dim() == 3)
