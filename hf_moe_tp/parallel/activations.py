@@ -111,6 +111,7 @@ class Block:
     forward: int = 0
     backward: int = 0
     unit: str = ""  # the FSDP2 unit its parameters are in: "embedding", "layer 3", "loss" (the output head)
+    inference: int = 0  # what a forward without gradients holds at its highest in this block
 
 
 def blocks(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, micro_batch: int = 1,
@@ -153,6 +154,14 @@ def blocks(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, micro_bat
         experts += s.hidden * b + s.top_k * s.hidden * b / stream
     mlp = lambda width: 4 * width * b / t  # noqa: E731  gate, up, their product's inputs, the down projection's
     moe = norm(s.hidden) / stream + router + experts + mlp(s.shared_hidden)  # the router sees the gathered tokens
+    # without gradients a block holds the layer's input and its attention's output beside its normed input, its
+    # intermediates and its output: for the experts each routed token's copy, gate and up, their product and its
+    # output, weighted in float32 where the family keeps its routing weights so (Mixtral; and with EP what it
+    # sends back)
+    moe_inference = (4 * s.hidden * b + s.experts * 4 + mlp(s.shared_hidden)
+                     + s.top_k * share * (s.hidden * b + s.hidden * 4 + 4 * expert_hidden * b)
+                     + (s.top_k * s.hidden * b / stream if split.ep > 1 else 0))
+    dense_inference = 4 * s.hidden * b + mlp(s.dense_hidden)
     dense = norm(s.hidden) / stream + s.hidden * b + mlp(s.dense_hidden)
     scores_fp32 = _layer_scores(shape, split, seq_len, micro_batch) if scores else 0
     score_grads = scores_fp32 * (1 + b / 4)
@@ -182,9 +191,10 @@ def blocks(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, micro_bat
             # backward: the gradients of what it saved; with scores, the float32 gradient of the scores and the
             # probabilities' in the compute dtype, at a moment when little else of its backward has been made
             out += [Block(f"layer {i} attention", int(first), int(scores_fp32),
-                          int(score_grads if scores else first), f"layer {i}"),
+                          int(score_grads if scores else first), f"layer {i}",
+                          int(first + scores_fp32 - local * (norm(s.hidden) - s.hidden * b) / stream)),
                     Block(f"layer {i} mlp", int(second), int(experts_forward if moe_layer else 0),
-                          int(second), f"layer {i}")]
+                          int(second), f"layer {i}", int(local * (moe_inference if moe_layer else dense_inference)))]
     head = local * (norm(s.hidden) / stream + s.hidden * b + 16) + logits
     out.append(Block("loss", int(math.ceil(head)), int(loss_forward), int(2 * logits), "loss"))
     return out
@@ -262,10 +272,9 @@ def forward_peak_bytes(shape: Shape, split: Split, seq_len: int, dtype_bytes: in
                        scores: bool = False) -> int:
     """What a forward without gradients (a prefill of ``seq_len`` tokens) holds at most beside the weights and
     the cache: what the embedding's block keeps (the residual stream, the rotary tables, a causal mask) and one
-    block's intermediates (as many as its training forward saves, and what it holds for a moment beyond them),
-    the largest of the layers'."""
+    block's input, intermediates and output (:attr:`Block.inference`), the largest of the layers'."""
     found = blocks(shape, split, seq_len, dtype_bytes, micro_batch, scores)
-    return found[0].saved + max(b.saved + b.forward for b in found if b.unit.startswith("layer"))
+    return found[0].saved + max(b.inference for b in found if b.unit.startswith("layer"))
 
 
 def _layer_scores(shape: Shape, split: Split, seq_len: int, micro_batch: int) -> float:
