@@ -239,7 +239,8 @@ def step_peak(found: list[Block], gradients: list[int], accumulated: bool = Fals
     ``gathered``: FSDP2's units' bytes gathered, by :attr:`Block.unit` (None: no FSDP2); a block's unit is held
     with the next one (prefetched: in forward the next, the last layer kept for backward; in backward the one
     before, the embedding's lookup needing no gathered table), and in backward its unit's gradients whole
-    (``shard`` times this rank's) until their reduce-scatter at the unit's end."""
+    (``shard`` times this rank's) until their reduce-scatter at the unit's end; an all-gather's output lives
+    beside the parameters it is copied into, a reduce-scatter's flat input beside the gradients copied in."""
     gathered = gathered or {}
     order = list(dict.fromkeys(b.unit for b in found))
     before = dict(zip(order, ["", *order[:-1]], strict=True))
@@ -247,8 +248,11 @@ def step_peak(found: list[Block], gradients: list[int], accumulated: bool = Fals
     after = dict(zip(order, order[1:] + order[-2:-1], strict=True))
     held = sum(gradients) if accumulated else 0
     acts, best, whole, sharded = 0, Peak(0, 0, 0, 0, ""), 0, 0
-    for b in found:
+    for i, b in enumerate(found):
         fsdp = gathered.get(b.unit, 0) + gathered.get(after[b.unit], 0)
+        if (i == 0 or found[i - 1].unit != b.unit) and acts + held + fsdp + gathered.get(after[b.unit], 0) > \
+                best.total:  # the next unit's all-gather output beside its parameters, while it is copied out
+            best = Peak(acts, held, fsdp + gathered.get(after[b.unit], 0), 0, f"forward: {b.unit}'s all-gather")
         if acts + held + fsdp + b.forward > best.total:
             best = Peak(acts, held, fsdp, b.forward, f"forward: {b.name}")
         acts += b.saved
@@ -264,6 +268,8 @@ def step_peak(found: list[Block], gradients: list[int], accumulated: bool = Fals
         whole += g * shard  # this unit's gradients whole so far, before their reduce-scatter
         sharded += 0 if accumulated else g
         if i + 1 == len(found) or found[len(found) - 2 - i].unit != b.unit:  # the unit's end: reduce-scattered
+            if acts + held + fsdp + 2 * whole > best.total:  # from a flat copy of its gradients
+                best = Peak(acts, held, fsdp + 2 * whole, 0, f"backward: {b.unit}'s reduce-scatter")
             whole, held, sharded = 0, held + sharded, 0
     return best
 
