@@ -4,10 +4,10 @@ its busiest rank holds, reads and sends.
 Each candidate layout is placed for real, as ``hf-moe-tp inspect`` places it (the meta model, the plan and FSDP2 on
 a fake process group: the parameter bytes per rank and the bytes each rank's load reads come from the styles'
 placements and the loader's own read map, not from a formula). The rest is a model: gradients and optimizer state
-follow the parameters' shards; activations follow :mod:`hf_moe_tp.parallel.activations` (checked against what
-autograd saves on real ranks); FSDP2 holds two layers gathered (the one computing and the one prefetched) and, in
-backward, one layer's unsharded gradients before their reduce-scatter; the optimizer's step holds the gradients and
-its temporaries after backward has let go of the rest; the KV cache follows the config; the bytes sent per training
+follow the parameters' shards; a training step's highest moment follows the timeline of
+:mod:`hf_moe_tp.parallel.activations` (its blocks' saved activations, the gradients made so far, FSDP2's gathered
+units and their copies, each moment's working set; or AdamW's step after backward has let go of the rest: checked
+against what the busiest rank holds on real ranks); the KV cache follows the config; the bytes sent per training
 step follow :mod:`hf_moe_tp.parallel.communication` (checked against a count of the collectives on real ranks); the
 CUDA context and the allocator's slack take a fixed share off each device. Where a term is uncertain it errs high: a
 plan must not say a layout fits when it does not.
@@ -234,8 +234,7 @@ class Model:
         # LoRA: the base frozen, gradients and state for the adapters only (float32, as PEFT makes them)
         adapters = _lora_params(self._model, job.lora_rank, job.lora_experts, lay["tp"], found.plan) * 4 \
             if job.lora_rank else 0
-        c = _estimate(lay, split, found, self.shape, job, self.largest_unit, self.eager or job.eager_attention,
-                      adapters, self.shares)
+        c = _estimate(lay, split, found, self.shape, job, self.eager or job.eager_attention, adapters, self.shares)
         if job.training:
             wb = 4 if job.master_float32 else job.dtype.itemsize  # the parameters' dtype
             held, shard = c.memory["weights"], lay["fsdp"] * lay["cp"]
@@ -260,8 +259,8 @@ OPTIMIZER_STATES = {"adamw": 2, "sgd": 1, "none": 0}  # tensors of a parameter's
 STEP_TEMPORARIES = {"adamw": 1, "sgd": 1, "none": 0}
 
 
-def _estimate(lay: dict, split: Split, found, shape: Shape, job: Job, largest_unit: float, eager: bool,
-              adapters: int, shares: list[float]) -> Candidate:
+def _estimate(lay: dict, split: Split, found, shape: Shape, job: Job, eager: bool, adapters: int,
+              shares: list[float]) -> Candidate:
     """The busiest rank's memory by term at ``lay`` (``adapters``: LoRA's bytes, the only ones trained;
     ``shares``: each of :func:`~hf_moe_tp.parallel.activations.blocks`' share of the parameters)."""
     compute = job.dtype.itemsize

@@ -1,13 +1,17 @@
-"""The activation memory a training forward keeps for backward, per rank, from the config and the layout's sizes.
+"""The activation memory a training step holds, per rank, from the config and the layout's sizes: what the forward
+keeps for backward, block by block (:func:`blocks`), and the step's highest moment on a timeline of forward and
+backward (:func:`step_peak`).
 
 A model of what autograd saves in transformers' decoder layers (sdpa attention) as this library splits them:
 counted per token and per layer, term by term, each term divided by what splits it. Under TP the attention heads,
-the experts' hidden size and the shared / dense MLPs' hidden size are split by ``tp``, while the residual stream,
-the norms and the router stay whole (split by ``tp`` too with sequence parallelism; the projections' gathered
-inputs stay whole). Expert parallelism gives each rank about ``1/ep`` of the routed tokens (balanced routing: a
+the experts' hidden size and the shared / dense MLPs' hidden size are split by ``tp``, while the residual stream
+and the norms stay whole (split by ``tp`` too with sequence parallelism; the router and the projections see the
+gathered tokens). Expert parallelism gives each rank about ``1/ep`` of the routed tokens (balanced routing: a
 skewed router sends one rank more; the ``skew`` factor covers it). Context parallelism gives each rank ``1/cp`` of
 every sequence through every layer (Ulysses attention holds the whole sequence for ``heads / cp`` heads: the same
-bytes). The loss keeps the logits in float32 (transformers' cross-entropy upcasts them) and their log-softmax.
+bytes). The loss keeps the logits in float32 (transformers' cross-entropy upcasts them; split over the
+vocabulary under TP). Each block's moments beyond what it saves were measured on gloo ranks
+(``bench/live_bytes.py``) and are counted as the larger of what the three test families do.
 
 Where a term depends on details this model does not follow (a family's extra norms, an activation's own
 saved input), it counts the larger choice: the estimate errs high, and
