@@ -45,7 +45,7 @@ LAYOUTS = {
     "tp2xep2+sp": (2, dict(ep_size=2), Split(tp=2, ep=2, sequence_parallel=True, skew=1.1)),
     "cp2xtp2+sp": (4, dict(cp_size=2), Split(cp=2, tp=2, sequence_parallel=True)),
 }
-HIGH = 1.3  # the model errs high: measured <= predicted <= 1.3 x measured (1.01-1.25 here, 2026-12-06)
+HIGH = 1.3  # the model errs high: measured <= predicted <= 1.3 x measured (1.02-1.16 here, 2026-12-07)
 
 
 @pytest.fixture(scope="module")
