@@ -15,10 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from hf_moe_tp._compat import process_group_named
+from hf_moe_tp._compat import dispatch_mode, process_group_named, tree_leaves
 from hf_moe_tp.parallel.communication import all_reduce, one_way
 
 KINDS = {"tp": "tp", "ep": "ep", "cp": "cp", "cp_tp": "cp", "dp_replicate": "dp"}  # other dimensions: FSDP2's
@@ -37,7 +35,7 @@ def group_kinds(model) -> dict[str, str]:
     return {group: "+".join(sorted(k)) for group, k in kinds.items()}
 
 
-class SentBytes(TorchDispatchMode):
+class SentBytes(dispatch_mode()):
     """While active, ``self.sent[kind]``: the bytes this rank sent over each group kind (``groups``: group name ->
     kind; a group not there counts as ``"other"``)."""
 

@@ -15,11 +15,11 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
+
+from hf_moe_tp._compat import dispatch_mode, tree_leaves, wrapper_subclass
 
 
-class LiveBytes(TorchDispatchMode):
+class LiveBytes(dispatch_mode()):
     """While active: ``live``, the bytes of the storages operators made that are still referenced, and ``peak``,
     their highest."""
 
@@ -56,7 +56,7 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_leaves(tree):
             if not isinstance(t, torch.Tensor):
                 continue
-            if is_traceable_wrapper_subclass(t):
+            if wrapper_subclass(t):
                 names, _ = t.__tensor_flatten__()
                 out += self._storages([getattr(t, name) for name in names])
             elif t.device.type != "meta":

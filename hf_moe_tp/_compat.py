@@ -52,6 +52,13 @@ PRIVATE: dict[str, Private] = {p.path: p for p in (
             "without it: the failure is raised without naming the missing ranks"),
     Private("torch", "torch.distributed.distributed_c10d:_resolve_process_group", TORCH,
             "bench/communication.py: the group a functional collective (DTensor's) names, to count its bytes"),
+    Private("torch", "torch.utils._python_dispatch:TorchDispatchMode", TORCH,
+            "bench/communication.py and bench/live_bytes.py: every operator a step runs, to count the bytes it sends "
+            "and holds; tests: the largest tensor a model build makes"),
+    Private("torch", "torch.utils._python_dispatch:is_traceable_wrapper_subclass", TORCH,
+            "bench/live_bytes.py: a DTensor's local tensor behind it"),
+    Private("torch", "torch.utils._pytree:tree_leaves", TORCH,
+            "bench/communication.py and bench/live_bytes.py: the tensors among an operator's arguments"),
     Private("torch", "torch._C:_current_graph_task_id", TORCH,
             "a forward recomputed for the backward (activation checkpointing) does not count expert load twice",
             "without it: recomputed forwards count again"),
@@ -179,6 +186,26 @@ def fake_store():
 def process_group_named(name: str):
     """The process group a functional collective names (``group_name``)."""
     return resolve("torch.distributed.distributed_c10d:_resolve_process_group")(name)
+
+
+def dispatch_mode() -> type:
+    """torch's ``TorchDispatchMode``, the base of a mode that sees every operator run while it is active."""
+    return resolve("torch.utils._python_dispatch:TorchDispatchMode")
+
+
+def wrapper_subclass(t) -> bool:
+    """Whether ``t`` is a tensor subclass wrapping others (a DTensor: ``__tensor_flatten__`` names them)."""
+    return _cached("torch.utils._python_dispatch:is_traceable_wrapper_subclass")(t)
+
+
+def tree_leaves(tree) -> list:
+    """The leaves of a nest of tuples, lists and dicts (an operator's arguments)."""
+    return _cached("torch.utils._pytree:tree_leaves")(tree)
+
+
+@functools.cache
+def _cached(path: str) -> Any:  # resolved once: these run on every operator a dispatch mode sees
+    return resolve(path)
 
 
 def clear_dtensor_caches() -> None:

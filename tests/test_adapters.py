@@ -86,10 +86,11 @@ def test_a_671b_model_builds_without_allocating_its_parameters():
     """DeepSeek-V3 at its own size (transformers' DeepseekV3Config() defaults: 671B parameters, a layer's experts
     30 GiB in fp32) builds in one process: no CPU tensor of more than 64 MiB is ever created (accelerate's
     ``init_empty_weights`` allocated each parameter on the CPU before moving it to meta)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import DeepseekV3Config
 
-    class Largest(TorchDispatchMode):
+    from hf_moe_tp._compat import dispatch_mode
+
+    class Largest(dispatch_mode()):
         largest = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
