@@ -125,8 +125,9 @@ def blocks(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, micro_bat
     attention kernel keeps its score matrix (eager attention, or sdpa's math path: on CPU where query and value
     heads differ in size); fused kernels (flash, memory-efficient) keep the log-sum-exp only. With checkpointing,
     each layer keeps its input, and its backward first recomputes the layer's whole set. A block's backward holds
-    the gradients of what it saved (as many bytes) and, where attention keeps scores, their float32 gradients
-    twice; the loss holds the float32 logits' softmax and gradient twice, in forward and in backward."""
+    the gradients of what it saved (as many bytes) or, where attention keeps scores, their float32 gradient and the
+    probabilities' in the compute dtype; the loss holds the gathered logits and its float32 slice in forward, and
+    the slice's softmax and gradient in backward."""
     s, b = shape, dtype_bytes
     t, cp = split.tp, split.cp
     local = micro_batch * seq_len / cp  # every per-token term below is for one of this rank's tokens
@@ -253,10 +254,11 @@ def step_peak(found: list[Block], gradients: list[int], accumulated: bool = Fals
     held = sum(gradients) if accumulated else 0
     acts, best, whole, sharded = 0, Peak(0, 0, 0, 0, ""), 0, 0
     for i, b in enumerate(found):
-        fsdp = gathered.get(b.unit, 0) + gathered.get(after[b.unit], 0)
-        if (i == 0 or found[i - 1].unit != b.unit) and acts + held + fsdp + gathered.get(after[b.unit], 0) > \
-                best.total:  # the next unit's all-gather output beside its parameters, while it is copied out
-            best = Peak(acts, held, fsdp + gathered.get(after[b.unit], 0), 0, f"forward: {b.unit}'s all-gather")
+        prefetched = gathered.get(after[b.unit], 0)
+        fsdp = gathered.get(b.unit, 0) + prefetched
+        # at a unit's start, the next unit's all-gather output beside its parameters, while it is copied out
+        if (i == 0 or found[i - 1].unit != b.unit) and acts + held + fsdp + prefetched > best.total:
+            best = Peak(acts, held, fsdp + prefetched, 0, f"forward: {b.unit}'s all-gather")
         if acts + held + fsdp + b.forward > best.total:
             best = Peak(acts, held, fsdp, b.forward, f"forward: {b.name}")
         acts += b.saved
