@@ -597,6 +597,10 @@ def test_plan_options_on_the_command_line(checkpoints, capsys):
     assert two.total > one.total and two.sent == {g: 2 * n for g, n in one.sent.items()}, (one, two)
     with pytest.raises(ValueError, match="accumulation=0"):
         Job(accumulation=0)
+    with pytest.raises(ValueError, match="accumulation=2"):
+        Job(training=False, accumulation=2)
+    with pytest.raises(ValueError, match="expert_skew=0.5"):
+        Job(expert_skew=0.5)
     assert main(["plan", path, "--gpus", "2", "--inference", "--keep-quantized"]) == 2
     assert "declares no FP8 quantization_config" in capsys.readouterr().err
 
