@@ -136,11 +136,14 @@ def _second_step(paths: dict[str, str], layouts: dict[str, dict], seq: int, meas
     return out
 
 
-def _routing_skew(counts: torch.Tensor, ep: int) -> float:
+def _routing_skew(counts: torch.Tensor, ep: int, per_layer: bool = False) -> float:
     """The busiest expert-parallel rank's routed tokens over the mean, over all layers (what its activations sum;
-    ``counts``: tokens per expert, a row per layer, each rank holding a contiguous ``1/ep`` of the experts)."""
-    per_rank = counts.reshape(counts.shape[0], ep, -1).sum((0, 2)).double()
-    return (per_rank.max() / per_rank.mean()).item()
+    ``counts``: tokens per expert, a row per layer, each rank holding a contiguous ``1/ep`` of the experts), or
+    ``per_layer``, in the layer where it is highest (what one layer's experts hold at once)."""
+    per_rank = counts.reshape(counts.shape[0], ep, -1).sum(2).double()
+    if not per_layer:
+        per_rank = per_rank.sum(0, keepdim=True)
+    return (per_rank.max(1).values / per_rank.mean(1)).max().item()
 
 
 # the six layouts the plan is checked at: name -> (sizes, from_pretrained keywords)
@@ -226,22 +229,22 @@ def _generate_rise(paths: dict[str, str], seq: int, layouts: dict[str, dict]) ->
                 hf_moe_tp.tokens_per_expert(model, reset=True)
                 peak = live_peak_bytes(lambda m=model, x=ids: m.generate(x, max_new_tokens=4, do_sample=False))
                 ep = kwargs.get("ep_size", 1)
-                out[family, name, str(dtype)] = peak, (_routing_skew(hf_moe_tp.tokens_per_expert(model), ep)
-                                                       if ep > 1 else 1.0)
+                out[family, name, str(dtype)] = peak, (_routing_skew(hf_moe_tp.tokens_per_expert(model), ep,
+                                                                     per_layer=True) if ep > 1 else 1.0)
                 del model
     return out
 
 
-def test_generation_peaks_below_the_plan(ranks, checkpoints):
-    """At TP 2 and TP 2 x EP 2, the plan's KV cache and prefill term bound what generating after a 1024-token
-    prompt adds on the busiest rank, Mixtral, Qwen3-MoE and DeepSeek-V3 (eager), fp32 and bf16, within 1.4x
-    (1.04-1.36x, 2026-12-07: the prefill term counts a block's input, intermediates and output alive at once, and
-    the experts' weighted outputs in float32 as Mixtral keeps them; Qwen3-MoE keeps them in bf16 and frees some
-    intermediates early)."""
-    layouts = {"tp2": dict(tp=2, ep=1, cp=1, fsdp=1, dp_replicate=1), "tp2xep2": dict(tp=2, ep=2, cp=1, fsdp=1,
-                                                                                   dp_replicate=1)}
+def test_generation_peaks_within_10_percent_of_the_plan(ranks, checkpoints):
+    """At TP 2 (with and without sequence parallelism) and TP 2 x EP 2, the plan's KV cache and prefill term give
+    what generating after a 1024-token prompt adds on the busiest rank within [1.0x, 1.1x], Mixtral (float32
+    routing weights), Qwen3-MoE (bf16 ones) and DeepSeek-V3 (eager MLA, a shared expert), fp32 and bf16 (1.00-1.07x,
+    2026-12-07; was 1.04-1.36x before the prefill term followed the experts' own order of intermediates)."""
+    tp2 = dict(tp=2, ep=1, cp=1, fsdp=1, dp_replicate=1)
+    layouts = {"tp2": (tp2, dict(sequence_parallel=False)), "tp2+sp": (tp2, dict(sequence_parallel=True)),
+               "tp2xep2": ({**tp2, "ep": 2}, dict(ep_size=2, sequence_parallel=False))}
     per_rank = ranks(2).run(_generate_rise, {f: checkpoints[f] for f in CONFIGS}, 1024,
-                            {"tp2": {}, "tp2xep2": dict(ep_size=2)})
+                            {name: kwargs for name, (_, kwargs) in layouts.items()})
     models = {f: Model(checkpoints[f]) for f in CONFIGS}
     off = {}
     for key in per_rank[0]:
@@ -249,10 +252,11 @@ def test_generation_peaks_below_the_plan(ranks, checkpoints):
         got = max(r[key][0] for r in per_rank)
         job = Job(training=False, seq_len=1024, kv_tokens=1028, dtype=getattr(torch, dtype.removeprefix("torch.")),
                   eager_attention=ATTENTION[family] == "eager", expert_skew=per_rank[0][key][1])
-        memory = models[family].estimate(layouts[name], Cluster(2, 2), job)
+        lay, kwargs = layouts[name]
+        memory = models[family].estimate(lay, Cluster(2, 2), job, sequence_parallel=kwargs["sequence_parallel"])
         want = memory.memory["kv cache"] + memory.memory["activations"]
         print(key, round(want / got, 3))  # the ratios, with pytest -s
-        if not got <= want <= 1.4 * got:
+        if not got <= want <= 1.1 * got:
             off[key] = round(want / got, 3)
     assert off == {}, off
 
@@ -543,6 +547,16 @@ def test_lora_plans_the_adapters_alone_as_trained(ranks, checkpoints):
     assert not model.estimate(lay, tight, Job(dtype=torch.float32, seq_len=16)).fits
     with pytest.raises(ValueError, match="plans training adapters"):
         Job(training=False, lora_rank=4)
+
+
+def test_the_routers_dtype_is_read_off_a_meta_block():
+    """The prefill term weights the experts' outputs as the family's router hands them its weights, read by running
+    a meta copy of its first MoE block in bf16: Mixtral's and DeepSeek-V3's stay float32, Qwen3-MoE's are cast
+    back; without a model to run, float32 and the token copies kept (erring high)."""
+    got = {f: Shape.from_config(config(), meta_model(config())).routing_float32 for f, config in CONFIGS.items()}
+    assert got == {"mixtral": True, "qwen3_moe": False, "deepseek_v3": True}, got
+    bare = Shape.from_config(CONFIGS["qwen3_moe"]())
+    assert bare.routing_float32 and bare.routed_copy
 
 
 def test_the_layouts_tried_cover_a_node_and_the_cluster():

@@ -20,9 +20,12 @@ saved input), it counts the larger choice: the estimate errs high, and
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,8 @@ class Shape:
     q_lora: int = 0  # MLA: the query's low-rank size (0: none)
     kv_lora: int = 0  # MLA: the keys' and values' compressed size plus the rope part (0: not MLA)
     qk_norm: bool = False  # a norm per head on queries and keys (Qwen3-MoE)
+    routing_float32: bool = True  # the router's weights stay float32 below it (Mixtral, DeepSeek; not Qwen3-MoE)
+    routed_copy: bool = True  # each routed token's copy lives through the experts (biases, scaling before them)
 
     @classmethod
     def from_config(cls, config, model=None) -> Shape:
@@ -71,7 +76,8 @@ class Shape:
                    shared_hidden=shared, dense_hidden=get("intermediate_size_mlp", "intermediate_size",
                                                           default=4 * hidden),
                    vocab=c.vocab_size, q_lora=get("q_lora_rank"), kv_lora=get("kv_lora_rank") + rope if mla else 0,
-                   qk_norm=model is not None and any(n.endswith("self_attn.q_norm") for n, _ in model.named_modules()))
+                   qk_norm=model is not None and any(n.endswith("self_attn.q_norm") for n, _ in model.named_modules()),
+                   **_routing(model))
 
 
 def _shared_hidden(model) -> int:
@@ -80,6 +86,29 @@ def _shared_hidden(model) -> int:
         if name.endswith(("shared_expert", "shared_experts")) and hasattr(module, "up_proj"):
             return module.up_proj.out_features
     return 0
+
+
+def _routing(model) -> dict[str, bool]:
+    """How ``model``'s first MoE block routes in bfloat16, found by running a meta copy of it: whether its experts
+    get float32 weights (so weight their outputs in float32) and whether they keep each routed token's copy. Where
+    it cannot be run (no model, a block needing more than the hidden states), both, erring high."""
+    from .experts import GroupedExperts
+
+    experts = next((n for n, m in model.named_modules() if isinstance(m, GroupedExperts)), None) if model else None
+    if experts is None or "." not in experts:
+        return {}
+    seen: list[torch.dtype] = []
+    try:
+        block = copy.deepcopy(model.get_submodule(experts.rsplit(".", 1)[0])).to(device="meta", dtype=torch.bfloat16)
+        grouped = next(m for m in block.modules() if isinstance(m, GroupedExperts))
+        grouped.register_forward_pre_hook(lambda m, args, kwargs: seen.append([*args, *kwargs.values()][2].dtype),
+                                          with_kwargs=True)
+        block(torch.empty(1, 2, model.config.get_text_config().hidden_size, device="meta", dtype=torch.bfloat16))
+    except Exception:  # noqa: BLE001  a block this probe cannot call: err high
+        return {}
+    return {"routing_float32": not seen or seen[0] == torch.float32,
+            "routed_copy": grouped.score_before_experts or grouped.has_bias or grouped.has_post_expert_norm
+            or grouped.implementation == "batched_mm" or type(grouped)._matmul is not GroupedExperts._matmul}
 
 
 def _dense_layers(c, layers: int) -> int:
@@ -159,14 +188,20 @@ def blocks(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, micro_bat
         experts += s.hidden * b + s.top_k * s.hidden * b / stream
     mlp = lambda width: 4 * width * b / t  # noqa: E731  gate, up, their product's inputs, the down projection's
     moe = norm(s.hidden) / stream + router + experts + mlp(s.shared_hidden)  # the router sees the gathered tokens
-    # without gradients a block holds the layer's input and its attention's output beside its normed input, its
-    # intermediates and its output: for the experts each routed token's copy, gate and up, their product and its
-    # output, weighted in float32 where the family keeps its routing weights so (Mixtral; and with EP what it
-    # sends back)
-    moe_inference = (4 * s.hidden * b + s.experts * 4 + mlp(s.shared_hidden)
-                     + s.top_k * share * (s.hidden * b + s.hidden * 4 + 4 * expert_hidden * b)
-                     + (s.top_k * s.hidden * b / stream if split.ep > 1 else 0))
-    dense_inference = 4 * s.hidden * b + mlp(s.dense_hidden)
+    # without gradients (a prefill) a layer's block holds, beside the embedding's output: the layer's input, the
+    # residual sum and the normed input (gathered under sequence parallelism, beside its split and the region's own
+    # copy); the experts hold at their highest, per routed token, gate and up, their product, and the output and its
+    # weighted copy (float32 where the router's weights are), or that copy reordered and its sum over the slots
+    # (a row each under EP, whose experts run top-1) and its rounding to the compute dtype; the token's own copy
+    # where it is received (EP) or kept (the experts' unfused path); a few bytes of routing each, more under EP
+    # (the rows' indices and unit weights). Measured on gloo ranks (2026-12-07).
+    held = 2 * s.hidden * b / stream + s.hidden * b + (2 * s.hidden * b / stream if split.sequence_parallel else 0)
+    weighted, k = (4 if s.routing_float32 else b), (1 if split.ep > 1 else s.top_k)  # EP's experts: top-1 rows
+    combined = weighted + (weighted + (b if weighted != b else 0)) / k  # the rows reordered, summed, rounded
+    routed = (3 * expert_hidden * b + s.hidden * max(b + weighted, 2 * weighted, combined) + 28
+              + ((split.ep > 1) + s.routed_copy) * s.hidden * b + (48 if split.ep > 1 else 0))
+    moe_inference = held + s.experts * 4 + s.top_k * 12 + 8 + mlp(s.shared_hidden) + s.top_k * share * routed
+    dense_inference = held + mlp(s.dense_hidden)
     dense = norm(s.hidden) / stream + s.hidden * b + mlp(s.dense_hidden)
     scores_fp32 = _layer_scores(shape, split, seq_len, micro_batch) if scores else 0
     score_grads = scores_fp32 * (1 + b / 4)
@@ -180,8 +215,11 @@ def blocks(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, micro_bat
     # the embedding's output (the residual stream), the rotary embedding's cosines and sines, and where attention
     # keeps scores, the causal mask it adds to them (this rank's queries against every key)
     mask = local * seq_len * b if scores else 0
+    # (a prefill keeps the rotary tables in the compute dtype, its output split under sequence parallelism, and
+    # the positions)
     out = [Block("embedding", int(local * s.hidden * b + 2 * seq_len * micro_batch * s.head_dim * 4 + mask),
-                 unit="embedding")]
+                 unit="embedding", inference=int(local * (s.hidden * b / stream + 8)
+                                                 + 2 * seq_len * micro_batch * s.head_dim * b + mask))]
     for i in range(s.layers):
         moe_layer = i >= s.layers - s.moe_layers
         second = (moe if moe_layer else dense) * local
@@ -286,7 +324,7 @@ def forward_peak_bytes(shape: Shape, split: Split, seq_len: int, dtype_bytes: in
     the cache: what the embedding's block keeps (the residual stream, the rotary tables, a causal mask) and one
     block's input, intermediates and output (:attr:`Block.inference`), the largest of the layers'."""
     found = blocks(shape, split, seq_len, dtype_bytes, micro_batch, scores)
-    return found[0].saved + max(b.inference for b in found if b.unit.startswith("layer"))
+    return found[0].inference + max(b.inference for b in found if b.unit.startswith("layer"))
 
 
 def _layer_scores(shape: Shape, split: Split, seq_len: int, micro_batch: int) -> float:
