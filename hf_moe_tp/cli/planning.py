@@ -189,9 +189,11 @@ class Model:
         config = AutoConfig.from_pretrained(path)
         model = meta_model(config)
         self.shape = Shape.from_config(config, model)
-        self.largest_unit = _largest_unit_share(model)
         self.head_params = _head_params(model)
         self.shares = _block_shares(model, self.shape)
+        # FSDP2's units: the embedding, each decoder layer (its attention and MLP blocks), the head with the rest
+        self.largest_unit = max(self.shares[0], self.shares[-1],
+                                *(a + m for a, m in zip(self.shares[1:-1:2], self.shares[2:-1:2], strict=True)))
         self._model = model  # the meta model, for LoRA's adapter sizes
         self.quantization = quantization_of(config, path)
         cls = type(model)  # no fused attention kernel: eager attention keeps its scores
@@ -319,14 +321,6 @@ def _kv_bytes(shape: Shape, job: Job, tp: int) -> int:
     return int(job.kv_tokens * shape.layers * per_token * job.dtype.itemsize)
 
 
-def _largest_unit_share(model) -> float:
-    """The largest FSDP2 unit's share of the parameters (a decoder layer, the embeddings, the output head)."""
-    total = sum(p.numel() for p in model.parameters())
-    units = [sum(p.numel() for p in m.parameters()) for name, m in model.named_modules()
-             if name.endswith(("embed_tokens", "lm_head")) or _is_layer(name)]
-    return max(units, default=total) / total
-
-
 def _block_shares(model, shape: Shape) -> list[float]:
     """Each training block's share of the parameters (:func:`~hf_moe_tp.parallel.activations.blocks`' order: the
     embedding, each layer's attention and MLP, the loss), the gradients its backward makes; parameters outside the
@@ -368,11 +362,6 @@ def _head_params(model) -> int:
     """The output head's parameters (0 where it is the embedding, tied)."""
     embedded = {id(p) for n, p in model.named_parameters() if "embed_tokens" in n}
     return sum(p.numel() for n, p in model.named_parameters() if n.startswith("lm_head") and id(p) not in embedded)
-
-
-def _is_layer(name: str) -> bool:
-    head, _, index = name.rpartition(".")
-    return head.endswith("layers") and index.isdigit()
 
 
 def as_json(candidates: list[Candidate]) -> list[dict]:
