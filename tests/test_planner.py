@@ -475,10 +475,10 @@ def _planned_step_on_rank(path: str, kwargs: dict) -> dict:
 def test_the_plan_on_8_ranks(ranks, checkpoints, lay):
     """On 8 gloo ranks, Mixtral: the plan's weights, gradients and AdamW state equal what the busiest rank holds
     after a step, its saved activations bound what autograd saves (within 1.3x), its bytes sent per group bound a
-    count of the collectives (within 1.1x), and its step peak is within [0.99x, 1.1x] of the busiest rank's at
-    CP 2 x TP 2 x FSDP 2 (1.02x, 2026-12-07) and [0.99x, 1.15x] at HSDP 2 x 2 x TP 2 x EP 2 (1.12x: under expert
-    parallelism the experts are FSDP2 units of their own, their gradients reduce-scattered before attention's
-    backward, which the plan counts with their layer's)."""
+    count of the collectives (within 1.1x), and its step peak is within [0.99x, 1.1x] of the busiest rank's: 1.02x
+    at CP 2 x TP 2 x FSDP 2, 1.03x at HSDP 2 x 2 x TP 2 x EP 2 (2026-12-07; 128 tokens, where FSDP2's units and the
+    gradients they make whole are the peak: was 1.12x before the plan let FSDP2 reshard a unit before its
+    reduce-scatter and counted a block's gradients made whole in its backward)."""
     kwargs = {k: v for k, v in dict(ep_size=lay["ep"], cp_size=lay["cp"], fsdp_size=lay["fsdp"],
                                     dp_replicate_size=lay["dp_replicate"]).items() if v > 1}
     per_rank = ranks(8).run(_planned_step_on_rank, checkpoints["mixtral"], kwargs)
@@ -493,7 +493,8 @@ def test_the_plan_on_8_ranks(ranks, checkpoints, lay):
     job = Job(seq_len=SENT_SEQ, dtype=torch.float32, expert_skew=per_rank[0]["skew"])
     memory = Model(checkpoints["mixtral"]).estimate(lay, Cluster(8, 8), job).memory
     want, got = sum(v for t, v in memory.items() if t not in ("weights", "optimizer")), max(r["peak"] for r in per_rank)
-    assert 0.99 * got <= want <= (1.15 if lay["ep"] > 1 else 1.1) * got, (want / got, memory)
+    print(lay, round(want / got, 3))  # with pytest -s
+    assert 0.99 * got <= want <= 1.1 * got, (want / got, memory)
 
 
 def test_fitting_layouts_are_ranked_by_time_on_the_wire():

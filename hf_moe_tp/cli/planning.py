@@ -285,7 +285,10 @@ def _estimate(lay: dict, split: Split, found, shape: Shape, job: Job, eager: boo
         gathered = {} if shard == 1 else {
             unit: int(sum(sh for b, sh in zip(parts, shares, strict=True) if b.unit == unit) * weights * shard
                       * compute / found.dtype_bytes) for unit in dict.fromkeys(b.unit for b in parts)}
-        peak = step_peak(parts, grads, accumulated=job.accumulation > 1, gathered=gathered, shard=shard)
+        # context parallelism sums each parameter's gradient into a copy: the largest of a block's at once (the
+        # experts' gate and up, two thirds of them)
+        peak = step_peak(parts, grads, accumulated=job.accumulation > 1, gathered=gathered, shard=shard,
+                         copies=5 / 3 if lay["cp"] > 1 else 1.0)
         # the optimizer's step runs after backward has let go of the activations and FSDP2's buffers
         temporaries = STEP_TEMPORARIES[job.optimizer] * trained
         c.sizes = {"weights": weights - kept + adapters, "gradients": trained, "optimizer": c.memory["optimizer"],

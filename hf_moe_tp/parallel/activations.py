@@ -275,15 +275,18 @@ class Peak:
 
 
 def step_peak(found: list[Block], gradients: list[int], accumulated: bool = False,
-              gathered: dict[str, int] | None = None, shard: int = 1) -> Peak:
+              gathered: dict[str, int] | None = None, shard: int = 1, copies: float = 1.0) -> Peak:
     """The highest moment of forward and backward over ``found`` (:func:`blocks`), each block's backward making its
     parameters' ``gradients`` (bytes on this rank, aligned with the blocks). ``accumulated``: an earlier
     micro-batch's gradients are held throughout, and each block adds its own into them (a moment's copy).
     ``gathered``: FSDP2's units' bytes gathered, by :attr:`Block.unit` (None: no FSDP2); a block's unit is held
     with the next one (prefetched: in forward the next, the last layer kept for backward; in backward the one
     before, the embedding's lookup needing no gathered table), and in backward its unit's gradients whole
-    (``shard`` times this rank's) until their reduce-scatter at the unit's end; an all-gather's output lives
-    beside the parameters it is copied into, a reduce-scatter's flat input beside the gradients copied in."""
+    (``shard`` times this rank's; ``copies``: more where context parallelism sums each parameter's into a new
+    tensor, one parameter at a time) until
+    their reduce-scatter at the unit's end, after FSDP2 has resharded the unit (measured on 8 gloo ranks); an
+    all-gather's output lives beside the parameters it is copied into, a reduce-scatter's flat input beside the
+    gradients copied in."""
     gathered = gathered or {}
     order = list(dict.fromkeys(b.unit for b in found))
     before = dict(zip(order, ["", *order[:-1]], strict=True))
@@ -301,7 +304,9 @@ def step_peak(found: list[Block], gradients: list[int], accumulated: bool = Fals
             best = Peak(acts, held, fsdp, b.forward, f"forward: {b.name}")
         acts += b.saved
     for i, (b, g) in enumerate(zip(reversed(found), reversed(gradients), strict=True)):
-        working = b.backward + (g if accumulated and not gathered else 0)  # FSDP2 adds a reduce-scatter's output
+        # the block's own gradients: a moment's copy when accumulated; under FSDP2 made whole (context parallelism
+        # summing each over its ranks into a copy), the largest moment either its activations' gradients or these
+        working = max(b.backward, int(copies * g * shard)) if gathered else b.backward + (g if accumulated else 0)
         fsdp = gathered.get(b.unit, 0) + (gathered.get(before[b.unit], 0) if before[b.unit] != "embedding" else 0)
         if acts + held + fsdp + whole + working > best.total:
             best = Peak(acts, held, fsdp + whole, working, f"backward: {b.name}")
@@ -311,8 +316,9 @@ def step_peak(found: list[Block], gradients: list[int], accumulated: bool = Fals
             continue
         whole += g * shard  # this unit's gradients whole so far, before their reduce-scatter
         sharded += 0 if accumulated else g
-        if i + 1 == len(found) or found[len(found) - 2 - i].unit != b.unit:  # the unit's end: reduce-scattered
-            if acts + held + fsdp + 2 * whole > best.total:  # from a flat copy of its gradients
+        if i + 1 == len(found) or found[len(found) - 2 - i].unit != b.unit:  # the unit's end: resharded, then
+            fsdp -= gathered.get(b.unit, 0)  # its gradients reduce-scattered from a flat copy
+            if acts + held + fsdp + 2 * whole > best.total:
                 best = Peak(acts, held, fsdp + 2 * whole, 0, f"backward: {b.unit}'s reduce-scatter")
             whole, held, sharded = 0, held + sharded, 0
     return best
