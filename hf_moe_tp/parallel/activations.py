@@ -283,10 +283,9 @@ def step_peak(found: list[Block], gradients: list[int], accumulated: bool = Fals
     with the next one (prefetched: in forward the next, the last layer kept for backward; in backward the one
     before, the embedding's lookup needing no gathered table), and in backward its unit's gradients whole
     (``shard`` times this rank's; ``copies``: more where context parallelism sums each parameter's into a new
-    tensor, one parameter at a time) until
-    their reduce-scatter at the unit's end, after FSDP2 has resharded the unit (measured on 8 gloo ranks); an
-    all-gather's output lives beside the parameters it is copied into, a reduce-scatter's flat input beside the
-    gradients copied in."""
+    tensor, one parameter at a time) until their reduce-scatter at the unit's end, after FSDP2 has resharded the
+    unit (measured on 8 gloo ranks); an all-gather's output lives beside the parameters it is copied into, a
+    reduce-scatter's flat input beside the gradients copied in."""
     gathered = gathered or {}
     order = list(dict.fromkeys(b.unit for b in found))
     before = dict(zip(order, ["", *order[:-1]], strict=True))
