@@ -512,37 +512,52 @@ def test_fitting_layouts_are_ranked_by_time_on_the_wire():
     assert sorted([tp2, tp8], key=lambda c: rank_key(c, cluster)) == [tp8, tp2]
 
 
-def _lora_step_on_rank(path: str) -> dict:
-    """This rank's adapter gradients and AdamW state after a LoRA step on attention (rank 4), and its weights."""
+def _lora_step_on_rank(path: str, variants: dict) -> dict:
+    """Per variant (name -> (from_pretrained keywords, LoRA's targets)): this rank's adapter gradients and AdamW
+    state after a LoRA step of rank 4, and its weights."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(hf_moe_tp.from_pretrained(path).train(),
-                           LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-    ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
-    trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=1e-3)
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    moments = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
-    return {"weights": _local_bytes(model.parameters()), "gradients": _local_bytes(p.grad for p in trained),
-            "optimizer": _local_bytes(moments)}
+    out = {}
+    for name, (kwargs, targets) in variants.items():
+        model = get_peft_model(hf_moe_tp.from_pretrained(path, **kwargs).train(), LoraConfig(r=4, **targets))
+        ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+        trained = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=1e-3)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        moments = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+        out[name] = {"weights": _local_bytes(model.parameters()),
+                     "gradients": _local_bytes(p.grad for p in trained), "optimizer": _local_bytes(moments)}
+    return out
+
+
+ATTENTION_LORA = dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+EXPERT_LORA = dict(**ATTENTION_LORA, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 
 
 def test_lora_plans_the_adapters_alone_as_trained(ranks, checkpoints):
     """``Job(lora_rank=4)``: the base frozen, gradients and AdamW state for the adapters only, at least what a TP-2
-    rank holds after a PEFT LoRA step on attention and at most 1.1x it (each adapter split as its base: a
-    column-split projection's B, a row-split one's A); the weights are the base's plus the adapters'."""
-    held = ranks(2).run(_lora_step_on_rank, checkpoints["mixtral"])
-    lay = dict(tp=2, ep=1, cp=1, fsdp=1, dp_replicate=1)
+    rank holds after a PEFT LoRA step and at most 1.1x it: on attention (each adapter split as its base: a
+    column-split projection's B, a row-split one's A), and with ``lora_experts`` on the experts too (PEFT's
+    target_parameters, split as the expert weights: their hidden side at TP 2, by experts at TP 2 x EP 2); the
+    weights are the base's plus the adapters'."""
+    tp2 = dict(tp=2, ep=1, cp=1, fsdp=1, dp_replicate=1)
+    variants = {"attention": (tp2, {}, ATTENTION_LORA, False), "experts": (tp2, {}, EXPERT_LORA, True),
+                "experts ep2": ({**tp2, "ep": 2}, dict(ep_size=2), EXPERT_LORA, True)}
+    held = ranks(2).run(_lora_step_on_rank, checkpoints["mixtral"], {n: v[1:3] for n, v in variants.items()})
     model = Model(checkpoints["mixtral"])
-    lora_plan = model.estimate(lay, Cluster(2, 2), Job(dtype=torch.float32, seq_len=16, lora_rank=4))
-    lora, full = lora_plan.sizes, model.estimate(lay, Cluster(2, 2), Job(dtype=torch.float32, seq_len=16)).sizes
-    for term in ("weights", "gradients", "optimizer"):
-        got = max(h[term] for h in held)
-        assert got <= lora[term] <= 1.1 * got, (term, lora[term], got)
-    assert lora["weights"] - full["weights"] == lora["gradients"] < full["gradients"] / 10
+    for name, (lay, _, _, experts) in variants.items():
+        job = Job(dtype=torch.float32, seq_len=16, lora_rank=4, lora_experts=experts)
+        lora, full = model.estimate(lay, Cluster(2, 2), job).sizes, model.estimate(
+            lay, Cluster(2, 2), Job(dtype=torch.float32, seq_len=16)).sizes
+        for term in ("weights", "gradients", "optimizer"):
+            got = max(h[name][term] for h in held)
+            print(name, term, round(lora[term] / got, 3))  # with pytest -s
+            assert got <= lora[term] <= 1.1 * got, (name, term, lora[term], got)
+        assert lora["weights"] - full["weights"] == lora["gradients"] < full["gradients"] / 4, name
     # whether it fits is judged on the adapters' gradients and state, not the full model's
-    lora_total = lora_plan.total
+    lay = tp2
+    lora_total = model.estimate(lay, Cluster(2, 2), Job(dtype=torch.float32, seq_len=16, lora_rank=4)).total
     tight = Cluster(2, 2, GIB + math.ceil(lora_total / 0.92) + 1024)
     assert model.estimate(lay, tight, Job(dtype=torch.float32, seq_len=16, lora_rank=4)).fits
     assert not model.estimate(lay, tight, Job(dtype=torch.float32, seq_len=16)).fits

@@ -234,7 +234,7 @@ class Model:
                       checkpointing=job.checkpointing and job.training, attention_tp=_splits_attention(found),
                       skew=job.expert_skew)
         # LoRA: the base frozen, gradients and state for the adapters only (float32, as PEFT makes them)
-        adapters = _lora_params(self._model, job.lora_rank, job.lora_experts, lay["tp"], found.plan) * 4 \
+        adapters = _lora_params(self._model, job.lora_rank, job.lora_experts, lay["tp"], found.plan, lay["ep"]) * 4 \
             if job.lora_rank else 0
         c = _estimate(lay, split, found, self.shape, job, self.eager or job.eager_attention, adapters, self.shares)
         if job.training:
@@ -343,11 +343,12 @@ def _block_shares(model, shape: Shape) -> list[float]:
     return [n / total for n in shares]
 
 
-def _lora_params(model, rank: int, experts: bool, tp: int = 1, plan: dict | None = None) -> int:
+def _lora_params(model, rank: int, experts: bool, tp: int = 1, plan: dict | None = None, ep: int = 1) -> int:
     """LoRA adapters' parameters on one rank: ``rank`` x (inputs + outputs) for each linear layer of attention, the
     side TP splits divided by ``tp`` (a column-split projection's B matrix, a row-split one's A, as the adapters
-    follow their base's placement under ``plan``), and with ``experts`` for each expert's matrices (a 3-D weight:
-    its experts x rank x its two other sizes; counted whole on every rank, erring high)."""
+    follow their base's placement under ``plan``), and with ``experts`` for each expert weight (a 3-D weight: its
+    experts x rank x its two other sizes, split as the weight is: by experts under EP, else the expert hidden
+    side by TP; hf_moe_tp.integrations.lora)."""
     styles = [(re.compile(re.escape(k).replace(r"\*", r"\d+") + "$"), str(v)) for k, v in (plan or {}).items()]
     total = 0
     for name, module in model.named_modules():
@@ -356,8 +357,11 @@ def _lora_params(model, rank: int, experts: bool, tp: int = 1, plan: dict | None
             total += rank * (module.in_features // (tp if "Rowwise" in style else 1)
                              + module.out_features // (tp if "Colwise" in style else 1))
         elif experts and isinstance(module, GroupedExperts):
-            total += sum(rank * p.shape[0] * (p.shape[1] + p.shape[2])
-                         for p in module.parameters(recurse=False) if p.dim() == 3)
+            for p in module.parameters(recurse=False):
+                if p.dim() == 3:
+                    hidden = p.shape[1] + p.shape[2] - module.dim  # the side that is not the model's width
+                    total += (rank * p.shape[0] // ep * (p.shape[1] + p.shape[2]) if ep > 1
+                              else rank * p.shape[0] * (module.dim + hidden // tp))
     return total
 
 
