@@ -240,8 +240,9 @@ def test_generation_peaks_within_10_percent_of_the_plan(ranks, checkpoints, worl
     """At TP 2 (with and without sequence parallelism), TP 2 x EP 2, TP 4 and TP 4 x EP 4, the plan's KV cache and
     prefill term give what generating after a 1024-token prompt adds on the busiest rank within [1.0x, 1.1x],
     Mixtral (float32 routing weights), Qwen3-MoE (bf16 ones) and DeepSeek-V3 (eager MLA, a shared expert), fp32 and
-    bf16 (1.00-1.08x, 2026-12-07; was 1.04-1.36x at TP 2 before the prefill term followed the experts' own order
-    of intermediates)."""
+    bf16 (1.00-1.09x, 2026-12-07; was 1.04-1.36x at TP 2 before the prefill term followed the experts' own order
+    of intermediates). The plan counts a collective's buffer that gloo's thread lets go of late in some runs (without
+    it, 0.92-0.95x in those runs)."""
     tp = dict(tp=world, ep=1, cp=1, fsdp=1, dp_replicate=1)
     layouts = {f"tp{world}": (tp, dict(sequence_parallel=False)),
                f"tp{world}xep{world}": ({**tp, "ep": world}, dict(ep_size=world, sequence_parallel=False))}

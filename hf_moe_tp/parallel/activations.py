@@ -196,6 +196,9 @@ def blocks(shape: Shape, split: Split, seq_len: int, dtype_bytes: int, micro_bat
     # where it is received (EP) or kept (the experts' unfused path); a few bytes of routing each, more under EP
     # (the rows' indices and unit weights). Measured on gloo ranks (2026-12-07).
     held = 2 * s.hidden * b / stream + s.hidden * b + (2 * s.hidden * b / stream if split.sequence_parallel else 0)
+    # and the last collective's buffer, which the communication thread may still hold (gloo lets go of it from its
+    # own thread, a GPU's caching allocator once its stream is done): seen in some runs, not others
+    held += s.hidden * b if t > 1 or split.ep > 1 or cp > 1 else 0
     weighted, k = (4 if s.routing_float32 else b), (1 if split.ep > 1 else s.top_k)  # EP's experts: top-1 rows
     combined = weighted + (weighted + (b if weighted != b else 0)) / k  # the rows reordered, summed, rounded
     routed = (3 * expert_hidden * b + s.hidden * max(b + weighted, 2 * weighted, combined) + 28
