@@ -107,8 +107,7 @@ def _routing(model) -> dict[str, bool]:
     except Exception:  # noqa: BLE001  a block this probe cannot call: err high
         return {}
     return {"routing_float32": not seen or seen[0] == torch.float32,
-            "routed_copy": grouped.score_before_experts or grouped.has_bias or grouped.has_post_expert_norm
-            or grouped.implementation == "batched_mm" or type(grouped)._matmul is not GroupedExperts._matmul}
+            "routed_copy": grouped.copies_rows or grouped.has_bias or grouped.has_post_expert_norm}
 
 
 def _dense_layers(c, layers: int) -> int:

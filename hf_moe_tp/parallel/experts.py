@@ -254,9 +254,8 @@ class GroupedExperts(nn.Module):
         row_weights = weights.reshape(-1)[order].unsqueeze(-1)
         # the grouped implementations keep neither the gathered rows nor the down projection's output for backward
         # (each k copies of the tokens at full width): gathered again, and the weights' gradient formed without it
-        grouped = type(self)._matmul is GroupedExperts._matmul and self.implementation != "batched_mm"
         loop = self.implementation == "eager"
-        if grouped and not self.score_before_experts:  # gate and up at once, packed
+        if not self.copies_rows:  # gate and up at once, packed
             h = gathered_grouped_mm(x, token, self._weight(self.up_name), offsets, loop)
         else:
             rows = x[token]
@@ -266,7 +265,7 @@ class GroupedExperts(nn.Module):
         if self.has_bias:
             h = h + _local(getattr(self, f"{self.up_name}_bias"))[expert_of_row].to(h.dtype)
         act = self.activation.on_packed(h, self.is_concatenated)
-        if grouped and not (self.score_before_experts or self.has_bias or self.post_expert_norm is not None):
+        if self.grouped and not (self.score_before_experts or self.has_bias or self.post_expert_norm is not None):
             return _DownCombine.apply(act, self._weight("down_proj"), offsets, order, row_weights, index.shape,
                                       x.dtype, loop)
         out = self._matmul(act, "down_proj", expert_of_row, offsets)
@@ -283,6 +282,17 @@ class GroupedExperts(nn.Module):
             else:
                 out = self.post_expert_norm(out)
         return combine(out, order, None if self.score_before_experts else row_weights, index.shape, x.dtype)
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the forward multiplies with this class's grouped matmul (not batched_mm, not a subclass's own)."""
+        return type(self)._matmul is GroupedExperts._matmul and self.implementation != "batched_mm"
+
+    @property
+    def copies_rows(self) -> bool:
+        """Whether the forward copies each routed token's row before the experts (rather than gathering it inside
+        the grouped matmul): scaled before the experts, or not the grouped path."""
+        return self.score_before_experts or not self.grouped
 
     @property
     def down_hidden_dim(self) -> int:
